@@ -1,0 +1,53 @@
+"""jaxmp: mixed-precision training for JAX, as pure functions over explicit state."""
+
+from jaxmp._src.casting import cast_function
+from jaxmp._src.casting import cast_to_bfloat16
+from jaxmp._src.casting import cast_to_float16
+from jaxmp._src.casting import cast_to_float32
+from jaxmp._src.casting import cast_to_half_precision
+from jaxmp._src.casting import cast_tree
+from jaxmp._src.casting import force_full_precision
+from jaxmp._src.casting import is_float_array
+from jaxmp._src.grad import mp_grad
+from jaxmp._src.grad import mp_value_and_grad
+from jaxmp._src.loss_scale import adjust
+from jaxmp._src.loss_scale import all_finite
+from jaxmp._src.loss_scale import init_scaler
+from jaxmp._src.loss_scale import noop_scaler
+from jaxmp._src.loss_scale import scale
+from jaxmp._src.loss_scale import ScalerState
+from jaxmp._src.loss_scale import scaler_metrics
+from jaxmp._src.loss_scale import static_scaler
+from jaxmp._src.loss_scale import unscale
+from jaxmp._src.policy import get_policy
+from jaxmp._src.policy import Policy
+from jaxmp._src.update import optimizer_update
+from jaxmp._src.update import select_tree
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "adjust",
+    "all_finite",
+    "cast_function",
+    "cast_to_bfloat16",
+    "cast_to_float16",
+    "cast_to_float32",
+    "cast_to_half_precision",
+    "cast_tree",
+    "force_full_precision",
+    "get_policy",
+    "init_scaler",
+    "is_float_array",
+    "mp_grad",
+    "mp_value_and_grad",
+    "noop_scaler",
+    "optimizer_update",
+    "Policy",
+    "scale",
+    "ScalerState",
+    "scaler_metrics",
+    "select_tree",
+    "static_scaler",
+    "unscale",
+)

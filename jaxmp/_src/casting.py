@@ -1,0 +1,188 @@
+"""Casting pytrees and functions between floating-point precisions.
+
+Only floating-point *array* leaves are ever cast. Integer and boolean arrays,
+PRNG keys (raw ``uint32`` keys and typed keys), Python scalars, strings,
+``None`` and callables pass through unchanged, so a whole training state can be
+handed to these functions without damaging labels, step counters or keys.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+
+HALF_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+COMPUTE_DTYPES = HALF_DTYPES + (jnp.dtype(jnp.float32),)
+
+
+def is_float_array(x: Any) -> bool:
+    """Whether ``x`` is a JAX or NumPy array with a real floating-point dtype.
+
+    This is the predicate behind every cast in jaxmp. Python floats are *not*
+    arrays: they are weakly typed in JAX and take the dtype of whatever they
+    meet, so they never need casting.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> is_float_array(jnp.ones(2)), is_float_array(jnp.arange(2))
+        (True, False)
+        >>> is_float_array(jax.random.key(0)), is_float_array(1.0)
+        (False, False)
+    """
+    if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        return False
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def canonical_float_dtype(dtype: Any, *, allowed=None, what: str = "dtype") -> np.dtype:
+    """Returns ``dtype`` as a NumPy dtype, raising ``ValueError`` if it is not allowed.
+
+    Args:
+        dtype: anything ``jnp.dtype`` understands (``jnp.float16``, ``"bfloat16"``...).
+        allowed: the dtypes accepted; by default any floating-point dtype.
+        what: the name of the argument, used in the error message.
+    """
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError as e:
+        raise ValueError(f"{what} must be a floating-point dtype, got {dtype!r}.") from e
+    if allowed is None:
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise ValueError(f"{what} must be a floating-point dtype, got {dt.name}.")
+    elif dt not in allowed:
+        names = ", ".join(a.name for a in allowed)
+        raise ValueError(f"{what} must be one of {names}; got {dt.name}.")
+    return dt
+
+
+def _cast_leaf(x: Any, dtype: np.dtype) -> Any:
+    if not is_float_array(x) or x.dtype == dtype:
+        return x
+    return x.astype(dtype)
+
+
+def cast_tree(tree: PyTree, dtype: Any) -> PyTree:
+    """Casts every floating-point array leaf of ``tree`` to ``dtype``.
+
+    JAX arrays stay JAX arrays and NumPy arrays stay NumPy arrays; every other
+    leaf is returned as it is.
+
+    Args:
+        tree: any pytree.
+        dtype: a floating-point dtype.
+
+    Returns:
+        A pytree with the structure of ``tree``.
+
+    Raises:
+        ValueError: if ``dtype`` is not a floating-point dtype.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> tree = {"w": jnp.ones(2), "step": jnp.array(3), "key": jax.random.key(0)}
+        >>> out = cast_tree(tree, jnp.bfloat16)
+        >>> out["w"].dtype, out["step"].dtype
+        (dtype(bfloat16), dtype('int32'))
+    """
+    dtype = canonical_float_dtype(dtype)
+    return jax.tree_util.tree_map(lambda x: _cast_leaf(x, dtype), tree)
+
+
+def cast_to_float16(tree: PyTree) -> PyTree:
+    """Casts the floating-point array leaves of ``tree`` to float16."""
+    return cast_tree(tree, jnp.float16)
+
+
+def cast_to_bfloat16(tree: PyTree) -> PyTree:
+    """Casts the floating-point array leaves of ``tree`` to bfloat16."""
+    return cast_tree(tree, jnp.bfloat16)
+
+
+def cast_to_float32(tree: PyTree) -> PyTree:
+    """Casts the floating-point array leaves of ``tree`` to float32."""
+    return cast_tree(tree, jnp.float32)
+
+
+def cast_to_half_precision(tree: PyTree, dtype: Any = jnp.float16) -> PyTree:
+    """Casts the floating-point array leaves of ``tree`` to a half-precision dtype.
+
+    Args:
+        tree: any pytree.
+        dtype: ``jnp.float16`` (the default) or ``jnp.bfloat16``. The dtype is an
+            explicit argument: jaxmp keeps no global precision setting.
+
+    Raises:
+        ValueError: if ``dtype`` is not float16 or bfloat16.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> cast_to_half_precision(jnp.ones(2), jnp.bfloat16).dtype
+        dtype(bfloat16)
+    """
+    dtype = canonical_float_dtype(dtype, allowed=HALF_DTYPES, what="dtype")
+    return cast_tree(tree, dtype)
+
+
+def cast_function(fn: Callable, dtype: Any, return_dtype: Any = None) -> Callable:
+    """Wraps ``fn`` so that its inputs are cast to ``dtype`` before it runs.
+
+    All positional and keyword arguments are cast with :func:`cast_tree`. If
+    ``return_dtype`` is given, the floating-point leaves of the outputs (of any
+    container type: tuples, dicts, dataclasses, ...) are cast to it afterwards.
+
+    Args:
+        fn: the function to wrap.
+        dtype: the floating-point dtype the inputs are cast to.
+        return_dtype: optional floating-point dtype for the outputs.
+
+    Returns:
+        A function with the signature of ``fn``.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> f = cast_function(lambda x, y: x @ y, jnp.float16, return_dtype=jnp.float32)
+        >>> f(jnp.ones((2, 2)), jnp.ones(2)).dtype
+        dtype('float32')
+    """
+    dtype = canonical_float_dtype(dtype)
+    if return_dtype is not None:
+        return_dtype = canonical_float_dtype(return_dtype, what="return_dtype")
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        args, kwargs = cast_tree((args, kwargs), dtype)
+        out = fn(*args, **kwargs)
+        if return_dtype is not None:
+            out = cast_tree(out, return_dtype)
+        return out
+
+    return wrapped
+
+
+def force_full_precision(fn: Callable, return_dtype: Any = None) -> Callable:
+    """Wraps ``fn`` so that it runs in float32, whatever precision its inputs have.
+
+    Use it around the parts of a half-precision model that overflow in float16:
+    large sums and means, softmax over large logits, variances.
+
+    Args:
+        fn: the function to wrap.
+        return_dtype: optional dtype for the outputs, e.g. the compute dtype, so
+            that the rest of the model carries on in half precision.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> x = jnp.full((1000,), 100.0, jnp.float16)
+        >>> bool(jnp.isinf(jnp.sum(x)))  # 100,000 does not fit in float16
+        True
+        >>> mean = force_full_precision(jnp.mean, return_dtype=jnp.float16)
+        >>> float(mean(x)), mean(x).dtype
+        (100.0, dtype('float16'))
+    """
+    return cast_function(fn, jnp.float32, return_dtype)

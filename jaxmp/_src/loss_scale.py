@@ -1,0 +1,366 @@
+"""Loss scaling whose state is an explicit pytree.
+
+The state is a ``flax.struct`` dataclass: the numbers that change during
+training (the scale and the counters) are array fields, and the settings are
+static fields, so they are part of the tree structure and survive ``jit``,
+``tree_map``, ``lax.scan`` carries and checkpoints. Free functions take a state
+in and give a new state out, in the manner of optax.
+
+Three modes share the one state type:
+
+* ``"dynamic"`` (:func:`init_scaler`): the scale grows after a run of finite
+  steps and backs off on overflow. For float16.
+* ``"static"`` (:func:`static_scaler`): a fixed scale.
+* ``"none"`` (:func:`noop_scaler`): no scaling at all, for bfloat16 or float32;
+  finiteness is still tracked so that non-finite steps are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxmp._src import casting
+
+PyTree = Any
+
+_FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
+_MODES = ("dynamic", "static", "none")
+
+
+@struct.dataclass
+class ScalerState:
+    """The state of a loss scaler.
+
+    Create it with :func:`init_scaler`, :func:`static_scaler` or
+    :func:`noop_scaler`; do not build it by hand.
+
+    Attributes:
+        scale: float32 scalar, the current loss scale.
+        steps_since_overflow: int32 scalar, consecutive finite steps since the
+            last non-finite one. The scale grows whenever this reaches a
+            multiple of ``growth_interval``.
+        overflow_streak: int32 scalar, consecutive non-finite steps (for
+            hysteresis).
+        skipped_steps: int32 scalar, total number of non-finite (skipped) steps.
+        mode: ``"dynamic"``, ``"static"`` or ``"none"`` (static field).
+        growth_interval, growth_factor, backoff_factor, min_scale, max_scale,
+        hysteresis: the settings (static fields).
+    """
+
+    scale: jax.Array
+    steps_since_overflow: jax.Array
+    overflow_streak: jax.Array
+    skipped_steps: jax.Array
+    mode: str = struct.field(pytree_node=False, default="dynamic")
+    growth_interval: int = struct.field(pytree_node=False, default=2000)
+    growth_factor: float = struct.field(pytree_node=False, default=2.0)
+    backoff_factor: float = struct.field(pytree_node=False, default=0.5)
+    min_scale: float = struct.field(pytree_node=False, default=1.0)
+    max_scale: float = struct.field(pytree_node=False, default=2.0**24)
+    hysteresis: int = struct.field(pytree_node=False, default=1)
+
+
+def _check_number(name: str, value: Any, *, integer: bool = False) -> float | int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not (
+        hasattr(value, "shape") and value.shape == ()
+    ):
+        raise ValueError(f"{name} must be a number, got {value!r}.")
+    try:
+        value = float(value)
+    except (TypeError, jax.errors.ConcretizationTypeError) as e:
+        raise ValueError(f"{name} must be a concrete Python number, not a traced value.") from e
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}.")
+    if integer:
+        if value != int(value):
+            raise ValueError(f"{name} must be a whole number, got {value}.")
+        return int(value)
+    return value
+
+
+def _make_state(initial_scale, mode, **settings) -> ScalerState:
+    return ScalerState(
+        scale=jnp.asarray(initial_scale, jnp.float32),
+        steps_since_overflow=jnp.zeros((), jnp.int32),
+        overflow_streak=jnp.zeros((), jnp.int32),
+        skipped_steps=jnp.zeros((), jnp.int32),
+        mode=mode,
+        **settings,
+    )
+
+
+def init_scaler(
+    initial_scale: float = 2.0**15,
+    growth_interval: int = 2000,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    min_scale: float = 1.0,
+    max_scale: float = 2.0**24,
+    hysteresis: int = 1,
+) -> ScalerState:
+    """Creates the state of a dynamic loss scaler.
+
+    After ``growth_interval`` consecutive finite steps the scale is multiplied
+    by ``growth_factor`` (capped at ``max_scale``). After ``hysteresis``
+    consecutive non-finite steps, and on every further one, it is multiplied by
+    ``backoff_factor`` (floored at ``min_scale``). Non-finite steps are counted
+    in ``skipped_steps`` whatever the hysteresis.
+
+    Args:
+        initial_scale: the starting scale.
+        growth_interval: finite steps between two growths (a whole number >= 1).
+        growth_factor: factor > 1 applied on growth.
+        backoff_factor: factor in (0, 1) applied on overflow.
+        min_scale: lower bound of the scale (> 0).
+        max_scale: upper bound of the scale (at most float32's largest value).
+        hysteresis: consecutive overflows tolerated before backing off
+            (a whole number >= 1; 1 backs off on every overflow).
+
+    Returns:
+        A :class:`ScalerState`.
+
+    Raises:
+        ValueError: if a setting is out of range, e.g. ``backoff_factor=2``.
+
+    Examples:
+        >>> state = init_scaler(initial_scale=1024.0, growth_interval=2)
+        >>> state = adjust(adjust(state, True), True)
+        >>> float(state.scale)
+        2048.0
+        >>> float(adjust(state, False).scale)
+        1024.0
+    """
+    initial_scale = _check_number("initial_scale", initial_scale)
+    growth_interval = _check_number("growth_interval", growth_interval, integer=True)
+    growth_factor = _check_number("growth_factor", growth_factor)
+    backoff_factor = _check_number("backoff_factor", backoff_factor)
+    min_scale = _check_number("min_scale", min_scale)
+    max_scale = _check_number("max_scale", max_scale)
+    hysteresis = _check_number("hysteresis", hysteresis, integer=True)
+    if growth_interval < 1:
+        raise ValueError(f"growth_interval must be >= 1, got {growth_interval}.")
+    if growth_factor <= 1.0:
+        raise ValueError(f"growth_factor must be > 1, got {growth_factor}.")
+    if not 0.0 < backoff_factor < 1.0:
+        raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}.")
+    if min_scale <= 0.0:
+        raise ValueError(f"min_scale must be > 0, got {min_scale}.")
+    if max_scale > _FLOAT32_MAX:
+        raise ValueError(f"max_scale must fit in float32 (<= {_FLOAT32_MAX:.4g}), got {max_scale}.")
+    if min_scale > max_scale:
+        raise ValueError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale}).")
+    if not min_scale <= initial_scale <= max_scale:
+        raise ValueError(
+            f"initial_scale ({initial_scale}) must lie in [min_scale, max_scale] = "
+            f"[{min_scale}, {max_scale}]."
+        )
+    if hysteresis < 1:
+        raise ValueError(f"hysteresis must be >= 1, got {hysteresis}.")
+    return _make_state(
+        initial_scale,
+        "dynamic",
+        growth_interval=growth_interval,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        hysteresis=hysteresis,
+    )
+
+
+def static_scaler(scale: float) -> ScalerState:
+    """Creates a scaler with a fixed scale.
+
+    Non-finite steps are still counted and reported, so that they can be
+    skipped, but the scale never changes.
+
+    Examples:
+        >>> state = static_scaler(128.0)
+        >>> float(adjust(state, False).scale)
+        128.0
+    """
+    scale = _check_number("scale", scale)
+    if not 0.0 < scale <= _FLOAT32_MAX:
+        raise ValueError(f"scale must be positive and fit in float32, got {scale}.")
+    return _make_state(scale, "static", min_scale=scale, max_scale=scale)
+
+
+def noop_scaler() -> ScalerState:
+    """Creates a scaler that does not scale: for bfloat16 or float32 training.
+
+    :func:`scale` and :func:`unscale` only convert to float32; :func:`adjust`
+    counts skipped steps. The interface is that of the other scalers, so a
+    training loop does not change.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> float(scale(noop_scaler(), jnp.asarray(3.0)))
+        3.0
+    """
+    return _make_state(1.0, "none", min_scale=1.0, max_scale=1.0)
+
+
+def check_scaler_state(state: Any, name: str = "scaler_state") -> ScalerState:
+    """Raises ``TypeError`` if ``state`` is not a :class:`ScalerState`."""
+    if not isinstance(state, ScalerState):
+        raise TypeError(
+            f"{name} must be a jaxmp.ScalerState (from jaxmp.init_scaler(), "
+            f"jaxmp.static_scaler() or jaxmp.noop_scaler()), got {type(state).__name__}."
+        )
+    return state
+
+
+def _wide_dtype(x) -> Any:
+    # float64 stays float64 (with x64 enabled); everything narrower becomes float32.
+    return x.dtype if jnp.finfo(x.dtype).bits > 32 else jnp.float32
+
+
+def scale(state: ScalerState, tree: PyTree) -> PyTree:
+    """Multiplies the floating-point leaves of ``tree`` by the loss scale.
+
+    The product is computed and returned in float32 (or wider): a half-precision
+    loss times a large scale does not fit in float16 (12 x 8192 > 65504).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> state = init_scaler(initial_scale=8192.0)
+        >>> scaled = scale(state, jnp.asarray(12.0, jnp.float16))
+        >>> float(scaled), scaled.dtype
+        (98304.0, dtype('float32'))
+    """
+    check_scaler_state(state)
+
+    def leaf(x):
+        if not casting.is_float_array(x):
+            return x
+        x = jnp.asarray(x)
+        x = x.astype(_wide_dtype(x))
+        return x if state.mode == "none" else x * state.scale.astype(x.dtype)
+
+    return jax.tree_util.tree_map(leaf, tree)
+
+
+def unscale(state: ScalerState, tree: PyTree) -> PyTree:
+    """Divides the floating-point leaves of ``tree`` by the scale, in float32.
+
+    The leaves are converted to float32 (or kept wider) *before* the division,
+    so scaled half-precision gradients lose nothing more.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> state = init_scaler(initial_scale=1024.0)
+        >>> g = unscale(state, {"w": jnp.full((2,), 2048.0, jnp.float16)})
+        >>> g["w"].dtype, float(g["w"][0])
+        (dtype('float32'), 2.0)
+    """
+    check_scaler_state(state)
+
+    def leaf(x):
+        if not casting.is_float_array(x):
+            return x
+        x = jnp.asarray(x)
+        x = x.astype(_wide_dtype(x))
+        return x if state.mode == "none" else x / state.scale.astype(x.dtype)
+
+    return jax.tree_util.tree_map(leaf, tree)
+
+
+def check_finite_flag(finite: Any) -> jax.Array:
+    """Returns ``finite`` as an array, raising ``ValueError`` unless it is a scalar bool."""
+    finite = jnp.asarray(finite)
+    if finite.shape != () or finite.dtype != jnp.bool_:
+        raise ValueError(
+            "finite must be a scalar boolean (as returned by jaxmp.all_finite or "
+            f"jaxmp.mp_value_and_grad), got an array of shape {finite.shape} and dtype "
+            f"{finite.dtype}."
+        )
+    return finite
+
+
+def adjust(state: ScalerState, finite: Any) -> ScalerState:
+    """Returns the state after a step whose gradients were ``finite`` or not.
+
+    Pure and traceable: call it inside ``jit``, ``lax.scan`` or ``shard_map``.
+    The result has exactly the type of ``state`` (same dtypes, same settings),
+    so a scan carry or a jit cache never sees a new type.
+
+    Args:
+        state: a :class:`ScalerState`.
+        finite: scalar boolean, whether the step's gradients were all finite.
+
+    Returns:
+        The new :class:`ScalerState`.
+    """
+    check_scaler_state(state)
+    finite = check_finite_flag(finite)
+    one = jnp.ones((), jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+    since = jnp.where(finite, state.steps_since_overflow + one, zero)
+    streak = jnp.where(finite, zero, state.overflow_streak + one)
+    skipped = state.skipped_steps + jnp.where(finite, zero, one)
+    new_scale = state.scale
+    if state.mode == "dynamic":
+        grow = finite & (since % state.growth_interval == 0)
+        back_off = jnp.logical_not(finite) & (streak >= state.hysteresis)
+        grown = jnp.minimum(state.scale * state.growth_factor, state.max_scale)
+        shrunk = jnp.maximum(state.scale * state.backoff_factor, state.min_scale)
+        new_scale = jnp.where(grow, grown, jnp.where(back_off, shrunk, state.scale))
+    return state.replace(
+        scale=new_scale.astype(jnp.float32),
+        steps_since_overflow=since.astype(jnp.int32),
+        overflow_streak=streak.astype(jnp.int32),
+        skipped_steps=skipped.astype(jnp.int32),
+    )
+
+
+def all_finite(tree: PyTree, axis_name: Any = None) -> jax.Array:
+    """Whether every floating-point leaf of ``tree`` is free of inf and NaN.
+
+    Args:
+        tree: any pytree; leaves that are not floating-point arrays are ignored.
+        axis_name: inside ``shard_map`` or ``pmap``, the name (or tuple of
+            names) of the device axes. The answer is then reduced over those
+            devices, so every device gets the same flag even when only one of
+            them overflowed.
+
+    Returns:
+        A scalar boolean array (``True`` for a tree with no floating leaves).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> bool(all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
+        False
+    """
+    leaves = [x for x in jax.tree_util.tree_leaves(tree) if casting.is_float_array(x)]
+    finite = jnp.asarray(True)
+    for x in leaves:
+        finite = finite & jnp.all(jnp.isfinite(x))
+    if axis_name is not None:
+        # pmin over devices: one device with a non-finite value makes all agree.
+        finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    return finite
+
+
+def scaler_metrics(state: ScalerState) -> dict[str, jax.Array]:
+    """A flat dict of the scaler's scalars, for a metrics logger.
+
+    Works inside ``jit``; outside, ``jax.device_get`` of the dict gives NumPy
+    scalars and ``{k: v.item() ...}`` plain Python numbers.
+
+    Examples:
+        >>> m = scaler_metrics(init_scaler(initial_scale=4.0))
+        >>> {k: v.item() for k, v in m.items()}
+        {'loss_scale': 4.0, 'skipped_steps': 0, 'steps_since_overflow': 0, 'overflow_streak': 0}
+    """
+    check_scaler_state(state)
+    return {
+        "loss_scale": state.scale,
+        "skipped_steps": state.skipped_steps,
+        "steps_since_overflow": state.steps_since_overflow,
+        "overflow_streak": state.overflow_streak,
+    }
