@@ -8,6 +8,9 @@ from jaxmp._src.casting import cast_to_half_precision
 from jaxmp._src.casting import cast_tree
 from jaxmp._src.casting import force_full_precision
 from jaxmp._src.casting import is_float_array
+from jaxmp._src.diagnostics import half_matmul_flop_share
+from jaxmp._src.diagnostics import matmul_flops
+from jaxmp._src.diagnostics import saved_activation_bytes
 from jaxmp._src.grad import mp_grad
 from jaxmp._src.grad import mp_value_and_grad
 from jaxmp._src.loss_scale import adjust
@@ -37,14 +40,17 @@ __all__ = (
     "cast_tree",
     "force_full_precision",
     "get_policy",
+    "half_matmul_flop_share",
     "init_scaler",
     "is_float_array",
+    "matmul_flops",
     "mp_grad",
     "mp_value_and_grad",
     "noop_scaler",
     "optimizer_update",
     "Policy",
     "scale",
+    "saved_activation_bytes",
     "ScalerState",
     "scaler_metrics",
     "select_tree",

@@ -1,0 +1,207 @@
+"""Backend-independent measures of what mixed precision buys.
+
+Time and peak memory depend on the machine. These two measures do not, so they
+can be tracked on a CPU-only machine and still say what a GPU will see:
+
+* :func:`saved_activation_bytes`: the bytes a function's VJP keeps for the
+  backward pass (the activations), from ``jax.eval_shape``: nothing runs.
+* :func:`matmul_flops` / :func:`half_matmul_flop_share`: the FLOPs of every
+  matrix product and convolution in the program lowered for a GPU, by dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from jaxmp._src import casting
+
+PyTree = Any
+
+_HALF_NAMES = ("float16", "bfloat16")
+_MLIR_DTYPES = {
+    "f16": "float16",
+    "bf16": "bfloat16",
+    "f32": "float32",
+    "f64": "float64",
+    "f8E4M3FN": "float8_e4m3fn",
+    "f8E5M2": "float8_e5m2",
+}
+
+
+def _is_dynamic(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def _split_static(tree: PyTree):
+    """Splits the leaves of ``tree`` into arrays (traced) and everything else (closed over)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    dynamic = [x if _is_dynamic(x) else None for x in leaves]
+    static = [None if _is_dynamic(x) else x for x in leaves]
+
+    def rebuild(dyn_leaves):
+        merged = [d if s is None else s for d, s in zip(dyn_leaves, static)]
+        return jax.tree_util.tree_unflatten(treedef, merged)
+
+    return dynamic, rebuild
+
+
+def saved_activation_bytes(
+    fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_aux: bool = False, **kwargs: Any
+) -> int:
+    """Bytes that the VJP of ``fn`` keeps for the backward pass.
+
+    Differentiates ``fn`` with respect to the floating-point leaves of
+    ``args[argnums]`` under ``jax.eval_shape`` and sums the sizes of everything
+    the resulting VJP closure holds (the residuals). Nothing is computed or
+    allocated, so it is cheap even for large models, and it does not depend on
+    the backend. Arguments may be ``jax.ShapeDtypeStruct``.
+
+    Args:
+        fn: the function, typically a loss ``fn(params, batch) -> scalar``.
+        *args: its positional arguments.
+        argnums: which positional arguments are differentiated.
+        has_aux: whether ``fn`` returns ``(output, aux)``.
+        **kwargs: keyword arguments, not differentiated.
+
+    Returns:
+        The number of bytes, an ``int``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> import jaxmp
+        >>> def loss(w, x):
+        ...     return jnp.sum(jnp.tanh(x @ w))
+        >>> w, x = jnp.ones((64, 64)), jnp.ones((128, 64))
+        >>> full = saved_activation_bytes(loss, w, x)
+        >>> half = saved_activation_bytes(jaxmp.cast_function(loss, jnp.float16), w, x)
+        >>> full / half
+        2.0
+    """
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    dynamic, rebuild = _split_static((args, kwargs))
+
+    def residuals(dyn_leaves):
+        call_args, call_kwargs = rebuild(dyn_leaves)
+        diff = [call_args[i] for i in nums]
+        floats = [jax.tree_util.tree_map(lambda x: x if casting.is_float_array(x) else None, d)
+                  for d in diff]
+
+        def f(*float_parts):
+            full = list(call_args)
+            for i, part, orig in zip(nums, float_parts, diff):
+                full[i] = jax.tree_util.tree_map(
+                    lambda p, o: o if p is None else p, part, orig, is_leaf=lambda x: x is None)
+            return fn(*full, **call_kwargs)
+
+        out = jax.vjp(f, *floats, has_aux=has_aux)
+        return out[1]
+
+    shapes = jax.eval_shape(residuals, dynamic)
+    return int(sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize
+                   for s in jax.tree_util.tree_leaves(shapes)))
+
+
+_TENSOR = r"tensor<((?:\d+x)*)([a-zA-Z][a-zA-Z0-9]*)>"
+_SIGNATURE = re.compile(r":\s*\(" + _TENSOR + r",\s*" + _TENSOR + r"\)\s*->\s*" + _TENSOR)
+_CONTRACTING = re.compile(r"contracting_dims\s*=\s*\[([0-9, ]*)\]")
+_CONV_DIMS = re.compile(r"dim_numbers\s*=\s*\[[^\]]*\]x\[([^\]]*)\]")
+
+
+def _dims(text: str) -> tuple[int, ...]:
+    return tuple(int(d) for d in text.split("x") if d)
+
+
+def _dtype_name(mlir_name: str) -> str:
+    return _MLIR_DTYPES.get(mlir_name, mlir_name)
+
+
+def _op_flops(line: str) -> tuple[str, int] | None:
+    """FLOPs and operand dtype key of one dot_general/convolution line of StableHLO text."""
+    is_dot = "stablehlo.dot_general" in line
+    is_conv = "stablehlo.convolution" in line
+    if not (is_dot or is_conv):
+        return None
+    sig = _SIGNATURE.search(line)
+    if sig is None:
+        raise ValueError(f"Could not read the operand types of: {line.strip()[:200]}")
+    lhs, lhs_t, rhs, rhs_t, out, _ = sig.groups()
+    lhs, rhs, out = _dims(lhs), _dims(rhs), _dims(out)
+    if is_dot:
+        found = _CONTRACTING.search(line)
+        contracting = [int(i) for i in found.group(1).split(",") if i.strip()] if found else []
+        macs = math.prod(out) * math.prod(lhs[i] for i in contracting)
+    else:
+        # Each output element takes prod(kernel) / out_features multiply-adds.
+        labels = [d.strip() for d in _CONV_DIMS.search(line).group(1).split(",")]
+        macs = math.prod(out) * math.prod(rhs) // rhs[labels.index("o")]
+    lhs_t, rhs_t = _dtype_name(lhs_t), _dtype_name(rhs_t)
+    return (lhs_t if lhs_t == rhs_t else "mixed"), 2 * macs
+
+
+def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any) -> dict[str, int]:
+    """FLOPs of the matrix products and convolutions of ``jax.jit(fn)``, by dtype.
+
+    ``fn`` is traced with the given arguments and lowered to StableHLO for
+    ``platform`` (no such device is needed: lowering for ``"cuda"`` works on a
+    CPU-only machine). Each ``dot_general`` and ``convolution`` contributes
+    ``2 * multiply-adds`` under the name of its operand dtype, or ``"mixed"``
+    when its two operands differ. An operation inside a loop body (``scan``,
+    ``while``) is counted once, not once per iteration.
+
+    Args:
+        fn: any function, e.g. a whole training step.
+        *args: its arguments (arrays, ``jax.ShapeDtypeStruct`` or any pytree;
+            non-array leaves are closed over).
+        platform: the platform to lower for.
+        **kwargs: keyword arguments.
+
+    Returns:
+        A dict from dtype name (``"float16"``, ``"float32"``, ...) to FLOPs.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> matmul_flops(lambda a, b: a @ b, jnp.ones((2, 3), jnp.float16), jnp.ones((3, 4), jnp.float16))
+        {'float16': 48}
+    """
+    dynamic, rebuild = _split_static((args, kwargs))
+
+    def call(dyn_leaves):
+        call_args, call_kwargs = rebuild(dyn_leaves)
+        return fn(*call_args, **call_kwargs)
+
+    lowered = jax.jit(call).trace(dynamic).lower(lowering_platforms=(platform,))
+    totals: dict[str, int] = {}
+    for line in lowered.as_text().splitlines():
+        found = _op_flops(line)
+        if found is not None:
+            key, flops = found
+            totals[key] = totals.get(key, 0) + flops
+    return totals
+
+
+def half_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any) -> float:
+    """The share of :func:`matmul_flops` whose operands are both float16 or bfloat16.
+
+    Returns ``0.0`` for a function with no matrix products.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jaxmp
+        >>> def f(w, x):
+        ...     return jnp.sum(x @ w)
+        >>> w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
+        >>> half_matmul_flop_share(f, w, x)
+        0.0
+        >>> half_matmul_flop_share(jaxmp.cast_function(f, jnp.float16), w, x)
+        1.0
+    """
+    totals = matmul_flops(fn, *args, platform=platform, **kwargs)
+    total = sum(totals.values())
+    if total == 0:
+        return 0.0
+    return sum(totals.get(name, 0) for name in _HALF_NAMES) / total
