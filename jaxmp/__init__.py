@@ -1,5 +1,6 @@
 """jaxmp: mixed-precision training for JAX, as pure functions over explicit state."""
 
+from jaxmp._src.accumulate import accumulate_value_and_grad
 from jaxmp._src.casting import cast_function
 from jaxmp._src.casting import cast_to_bfloat16
 from jaxmp._src.casting import cast_to_float16
@@ -30,6 +31,7 @@ from jaxmp._src.update import select_tree
 __version__ = "0.1.0"
 
 __all__ = (
+    "accumulate_value_and_grad",
     "adjust",
     "all_finite",
     "cast_function",
