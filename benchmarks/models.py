@@ -1,0 +1,171 @@
+"""A plain-JAX Vision Transformer, the model of the paper's evaluation.
+
+Written as an ordinary float32 model: no casts anywhere. Every operation
+follows the dtype of its inputs, so calling it with float16 or bfloat16
+parameters and images runs it entirely in half precision, and it runs under
+``jax_numpy_dtype_promotion="strict"`` (constants are Python scalars, which
+take the dtype of the array they meet).
+
+Parameters are a plain pytree (dicts and a list of per-block dicts), so any
+mixed-precision library can cast them with ``jax.tree_util``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ViTConfig:
+    """Shapes of a Vision Transformer.
+
+    Attributes:
+        image_size: height and width of the (square) input images.
+        patch_size: height and width of a patch; divides ``image_size``.
+        channels: colour channels of the images.
+        width: size of the token embeddings.
+        depth: number of transformer blocks.
+        heads: attention heads per block; divides ``width``.
+        mlp_dim: hidden size of the MLP of each block.
+        num_classes: number of output classes.
+    """
+
+    image_size: int
+    patch_size: int
+    channels: int
+    width: int
+    depth: int
+    heads: int
+    mlp_dim: int
+    num_classes: int
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+# The paper's desktop model, on CIFAR-100 shapes (32x32x3 images, 100 classes).
+DESKTOP_VIT = ViTConfig(
+    image_size=32, patch_size=4, channels=3, width=256, depth=6, heads=8, mlp_dim=800, num_classes=100
+)
+# ViT-Base/16 on ImageNet shapes.
+VIT_BASE = ViTConfig(
+    image_size=224, patch_size=16, channels=3, width=768, depth=12, heads=12, mlp_dim=3072, num_classes=1000
+)
+# Small enough for unit tests and the quick benchmark.
+TINY_VIT = ViTConfig(
+    image_size=8, patch_size=4, channels=3, width=32, depth=2, heads=2, mlp_dim=64, num_classes=10
+)
+
+
+def _dense_init(key: jax.Array, fan_in: int, fan_out: int) -> Params:
+    w = jax.random.normal(key, (fan_in, fan_out), jnp.float32) / math.sqrt(fan_in)
+    return {"w": w, "b": jnp.zeros((fan_out,), jnp.float32)}
+
+
+def _norm_init(dim: int) -> Params:
+    return {"scale": jnp.ones((dim,), jnp.float32), "bias": jnp.zeros((dim,), jnp.float32)}
+
+
+def init_vit(key: jax.Array, config: ViTConfig) -> Params:
+    """Initialises float32 parameters for ``config``.
+
+    Examples:
+        >>> import jax
+        >>> params = init_vit(jax.random.key(0), TINY_VIT)
+        >>> params["embed"]["w"].shape, len(params["blocks"])
+        ((48, 32), 2)
+    """
+    if config.image_size % config.patch_size or config.width % config.heads:
+        raise ValueError(f"patch_size must divide image_size and heads must divide width: {config}")
+    keys = jax.random.split(key, config.depth + 4)
+    patch_dim = config.patch_size * config.patch_size * config.channels
+    blocks = []
+    for k in keys[4:]:
+        k1, k2, k3, k4 = jax.random.split(k, 4)
+        blocks.append(
+            {
+                "norm1": _norm_init(config.width),
+                "qkv": _dense_init(k1, config.width, 3 * config.width),
+                "out": _dense_init(k2, config.width, config.width),
+                "norm2": _norm_init(config.width),
+                "mlp1": _dense_init(k3, config.width, config.mlp_dim),
+                "mlp2": _dense_init(k4, config.mlp_dim, config.width),
+            }
+        )
+    return {
+        "embed": _dense_init(keys[0], patch_dim, config.width),
+        "cls": 0.02 * jax.random.normal(keys[1], (1, 1, config.width), jnp.float32),
+        "pos": 0.02 * jax.random.normal(keys[2], (1, config.num_patches + 1, config.width), jnp.float32),
+        "blocks": blocks,
+        "norm": _norm_init(config.width),
+        "head": _dense_init(keys[3], config.width, config.num_classes),
+    }
+
+
+def _dense(p: Params, x: jax.Array) -> jax.Array:
+    return x @ p["w"] + p["b"]
+
+
+def _layer_norm(p: Params, x: jax.Array) -> jax.Array:
+    return jax.nn.standardize(x, axis=-1, epsilon=1e-6) * p["scale"] + p["bias"]
+
+
+def _attention(p: Params, x: jax.Array, heads: int) -> jax.Array:
+    batch, tokens, width = x.shape
+    head_dim = width // heads
+    qkv = _dense(p["qkv"], x).reshape(batch, tokens, 3, heads, head_dim)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
+    weights = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, tokens, width)
+    return _dense(p["out"], out)
+
+
+def _patchify(images: jax.Array, patch: int) -> jax.Array:
+    batch, height, width, channels = images.shape
+    x = images.reshape(batch, height // patch, patch, width // patch, patch, channels)
+    x = x.transpose(0, 1, 3, 2, 4, 5)
+    return x.reshape(batch, (height // patch) * (width // patch), patch * patch * channels)
+
+
+def vit_apply(params: Params, images: jax.Array, config: ViTConfig) -> jax.Array:
+    """Logits ``[B, num_classes]`` for images ``[B, H, W, C]``, in the dtype of the inputs.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> params = init_vit(jax.random.key(0), TINY_VIT)
+        >>> vit_apply(params, jnp.zeros((2, 8, 8, 3)), TINY_VIT).shape
+        (2, 10)
+    """
+    x = _dense(params["embed"], _patchify(images, config.patch_size))
+    cls = jnp.broadcast_to(params["cls"], (x.shape[0], 1, config.width))
+    x = jnp.concatenate([cls, x], axis=1) + params["pos"]
+    for block in params["blocks"]:
+        x = x + _attention(block, _layer_norm(block["norm1"], x), config.heads)
+        h = jax.nn.gelu(_dense(block["mlp1"], _layer_norm(block["norm2"], x)))
+        x = x + _dense(block["mlp2"], h)
+    x = _layer_norm(params["norm"], x[:, 0])
+    return _dense(params["head"], x)
+
+
+def vit_loss(params: Params, images: jax.Array, labels: jax.Array, config: ViTConfig) -> jax.Array:
+    """Mean softmax cross-entropy of the ViT on a batch; ``labels`` are int32 ``[B]``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> params = init_vit(jax.random.key(0), TINY_VIT)
+        >>> loss = vit_loss(params, jnp.zeros((2, 8, 8, 3)), jnp.zeros((2,), jnp.int32), TINY_VIT)
+        >>> loss.shape, loss.dtype
+        ((), dtype('float32'))
+    """
+    log_probs = jax.nn.log_softmax(vit_apply(params, images, config), axis=-1)
+    picked = jnp.take_along_axis(log_probs, labels[:, None].astype(jnp.int32), axis=-1)
+    return -jnp.mean(picked)
