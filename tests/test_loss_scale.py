@@ -1,0 +1,248 @@
+"""Tests of jaxmp._src.loss_scale."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import serialization
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxmp
+
+ALL_STATES = {
+    "dynamic": lambda: jaxmp.init_scaler(initial_scale=64.0, growth_interval=3, growth_factor=4.0,
+                                         backoff_factor=0.25, min_scale=2.0, max_scale=1024.0,
+                                         hysteresis=2),
+    "static": lambda: jaxmp.static_scaler(128.0),
+    "none": jaxmp.noop_scaler,
+}
+
+
+def _settings(state):
+    return (state.mode, state.growth_interval, state.growth_factor, state.backoff_factor,
+            state.min_scale, state.max_scale, state.hysteresis)
+
+
+def _assert_same_type(a, b):
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        assert x.dtype == y.dtype and x.shape == y.shape
+
+
+def test_defaults_work_and_have_expected_types():
+    state = jaxmp.init_scaler()
+    assert state.scale.dtype == jnp.float32 and state.scale.shape == ()
+    for counter in (state.steps_since_overflow, state.overflow_streak, state.skipped_steps):
+        assert counter.dtype == jnp.int32 and counter.shape == ()
+    assert state.mode == "dynamic" and float(state.scale) == 2.0**15
+
+
+def test_grows_on_the_interval_th_consecutive_finite_step():
+    state = jaxmp.init_scaler(initial_scale=8.0, growth_interval=3, growth_factor=2.0)
+    scales = []
+    for _ in range(7):
+        state = jaxmp.adjust(state, True)
+        scales.append(float(state.scale))
+    assert scales == [8.0, 8.0, 16.0, 16.0, 16.0, 32.0, 32.0]
+
+
+def test_overflow_resets_growth_and_backs_off():
+    state = jaxmp.init_scaler(initial_scale=8.0, growth_interval=2, backoff_factor=0.5)
+    state = jaxmp.adjust(state, True)
+    state = jaxmp.adjust(state, False)
+    assert float(state.scale) == 4.0 and int(state.skipped_steps) == 1
+    assert int(state.steps_since_overflow) == 0
+    state = jaxmp.adjust(state, True)
+    assert float(state.scale) == 4.0  # the run of finite steps started again
+    state = jaxmp.adjust(state, True)
+    assert float(state.scale) == 8.0
+
+
+def test_scale_is_capped_and_floored():
+    state = jaxmp.init_scaler(initial_scale=4.0, growth_interval=1, min_scale=2.0, max_scale=8.0)
+    for _ in range(5):
+        state = jaxmp.adjust(state, True)
+    assert float(state.scale) == 8.0
+    for _ in range(5):
+        state = jaxmp.adjust(state, False)
+    assert float(state.scale) == 2.0
+    assert int(state.skipped_steps) == 5
+
+
+def test_hysteresis_tolerates_overflows_before_backing_off():
+    state = jaxmp.init_scaler(initial_scale=64.0, hysteresis=3)
+    scales = []
+    for finite in (False, False, True, False, False, False, False):
+        state = jaxmp.adjust(state, finite)
+        scales.append(float(state.scale))
+    # The finite step resets the streak; the 3rd consecutive overflow backs off, and every further one.
+    assert scales == [64.0, 64.0, 64.0, 64.0, 64.0, 32.0, 16.0]
+    assert int(state.skipped_steps) == 6 and int(state.overflow_streak) == 4
+
+
+def test_static_scaler_never_changes_but_counts_skips():
+    state = jaxmp.static_scaler(128.0)
+    for finite in (True, False, True, False):
+        state = jaxmp.adjust(state, finite)
+    assert float(state.scale) == 128.0 and int(state.skipped_steps) == 2
+
+
+def test_noop_scaler_does_not_scale():
+    state = jaxmp.noop_scaler()
+    x = jnp.asarray([3.0, -1.5], jnp.bfloat16)
+    np.testing.assert_array_equal(jaxmp.scale(state, x), np.asarray([3.0, -1.5], np.float32))
+    assert jaxmp.unscale(state, x).dtype == jnp.float32
+    state = jaxmp.adjust(state, False)
+    assert float(state.scale) == 1.0 and int(state.skipped_steps) == 1
+
+
+def test_regression_scaling_in_float32_does_not_overflow():
+    # MPX multiplied a float16 loss by the scale in float16: 12 * 8192 -> inf.
+    state = jaxmp.init_scaler(initial_scale=8192.0)
+    scaled = jaxmp.scale(state, jnp.asarray(12.0, jnp.float16))
+    assert scaled.dtype == jnp.float32 and float(scaled) == 12.0 * 8192.0
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_unscale_returns_float32_and_leaves_non_floats(dtype):
+    state = jaxmp.init_scaler(initial_scale=1024.0)
+    tree = {"g": jnp.full((3,), 512.0, dtype), "i": jnp.arange(3), "none": None}
+    out = jaxmp.unscale(state, tree)
+    assert out["g"].dtype == jnp.float32
+    np.testing.assert_array_equal(out["g"], np.full((3,), 0.5, np.float32))
+    assert out["i"] is tree["i"] and out["none"] is None
+    back = jaxmp.scale(state, out)
+    np.testing.assert_array_equal(back["g"], np.full((3,), 512.0, np.float32))
+
+
+def test_all_finite():
+    assert bool(jaxmp.all_finite({"a": jnp.ones(2), "b": jnp.arange(3)}))
+    assert not bool(jaxmp.all_finite({"a": jnp.ones(2), "b": jnp.array([jnp.nan], jnp.bfloat16)}))
+    assert not bool(jaxmp.all_finite([jnp.array([-jnp.inf], jnp.float16)]))
+    assert bool(jaxmp.all_finite({"only_ints": jnp.arange(2), "none": None}))
+    assert jaxmp.all_finite(jnp.ones(2)).dtype == jnp.bool_
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"initial_scale": 0.5, "min_scale": 1.0}, "initial_scale"),
+        ({"initial_scale": float("inf")}, "initial_scale must be finite"),
+        ({"growth_interval": 0}, "growth_interval must be >= 1"),
+        ({"growth_interval": 2.5}, "growth_interval must be a whole number"),
+        ({"growth_factor": 1.0}, "growth_factor must be > 1"),
+        ({"backoff_factor": 1.0}, r"backoff_factor must be in \(0, 1\)"),
+        ({"backoff_factor": 0.0}, r"backoff_factor must be in \(0, 1\)"),
+        ({"min_scale": 0.0}, "min_scale must be > 0"),
+        ({"min_scale": 8.0, "max_scale": 4.0, "initial_scale": 4.0}, "must not exceed max_scale"),
+        ({"max_scale": 1e39}, "max_scale must fit in float32"),
+        ({"hysteresis": 0}, "hysteresis must be >= 1"),
+        ({"growth_factor": "2"}, "growth_factor must be a number"),
+        ({"hysteresis": True}, "hysteresis must be a number"),
+    ],
+)
+def test_invalid_settings_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        jaxmp.init_scaler(**kwargs)
+
+
+def test_invalid_static_scale_raises():
+    with pytest.raises(ValueError, match="scale must be positive"):
+        jaxmp.static_scaler(-1.0)
+
+
+# Round trips: the state never changes type, the settings always survive. ----
+
+@pytest.mark.parametrize("kind", sorted(ALL_STATES))
+def test_round_trips_keep_settings_and_types(kind):
+    state = ALL_STATES[kind]()
+    flat, treedef = jax.tree_util.tree_flatten(state)
+    assert _settings(jax.tree_util.tree_unflatten(treedef, flat)) == _settings(state)
+    assert _settings(jax.tree_util.tree_map(lambda x: x, state)) == _settings(state)
+    jitted = jax.jit(lambda s: jaxmp.adjust(s, jnp.asarray(True)))(state)
+    assert _settings(jitted) == _settings(state)
+    _assert_same_type(jitted, state)
+    restored = serialization.from_bytes(state, serialization.to_bytes(jaxmp.adjust(state, False)))
+    assert _settings(restored) == _settings(state)
+    assert int(restored.skipped_steps) == 1
+    # Branches of lax.cond must agree on the type: catches dtype drift.
+    both = jax.lax.cond(jnp.asarray(True), lambda s: jaxmp.adjust(s, True),
+                        lambda s: jaxmp.adjust(s, False), state)
+    _assert_same_type(both, state)
+
+
+@pytest.mark.parametrize("kind", sorted(ALL_STATES))
+def test_scan_carry_and_single_compilation(kind):
+    state = ALL_STATES[kind]()
+    flags = jnp.array([True, True, False, True, True, True, False, False, True])
+
+    def body(s, f):
+        s = jaxmp.adjust(s, f)
+        return s, s.scale
+
+    final, scales = jax.lax.scan(body, state, flags)
+    _assert_same_type(final, state)
+    # The same trajectory step by step in Python with a jitted adjust, compiled once.
+    traces = []
+
+    @jax.jit
+    def step(s, f):
+        traces.append(1)
+        return jaxmp.adjust(s, f)
+
+    s = state
+    for i, f in enumerate(flags):
+        s = step(s, f)
+        assert float(s.scale) == float(scales[i])
+    assert len(traces) == 1
+    assert int(final.skipped_steps) == 3
+
+
+def _reference_scaler(flags, initial, interval, growth, backoff, lo, hi, hysteresis):
+    """A plain-Python model of the dynamic scaler, to check the traced one against."""
+    scale, since, streak, skipped, out = initial, 0, 0, 0, []
+    for finite in flags:
+        if finite:
+            since, streak = since + 1, 0
+            if since % interval == 0:
+                scale = min(scale * growth, hi)
+        else:
+            since, streak, skipped = 0, streak + 1, skipped + 1
+            if streak >= hysteresis:
+                scale = max(scale * backoff, lo)
+        out.append(scale)
+    return out, skipped
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    flags=st.lists(st.booleans(), min_size=1, max_size=30),
+    interval=st.integers(1, 4),
+    growth=st.sampled_from([2.0, 4.0, 1.5]),
+    backoff=st.sampled_from([0.5, 0.25, 0.9]),
+    hysteresis=st.integers(1, 3),
+    initial_exp=st.integers(0, 10),
+)
+def test_property_dynamic_scaler_matches_reference(flags, interval, growth, backoff, hysteresis,
+                                                    initial_exp):
+    lo, hi = 1.0, 2.0**12
+    state = jaxmp.init_scaler(initial_scale=2.0**initial_exp, growth_interval=interval,
+                              growth_factor=growth, backoff_factor=backoff, min_scale=lo,
+                              max_scale=hi, hysteresis=hysteresis)
+    final, scales = jax.lax.scan(lambda s, f: (jaxmp.adjust(s, f), jaxmp.adjust(s, f).scale),
+                                 state, jnp.asarray(flags))
+    expected, skipped = _reference_scaler(flags, 2.0**initial_exp, interval, growth, backoff, lo,
+                                          hi, hysteresis)
+    np.testing.assert_allclose(np.asarray(scales), np.asarray(expected, np.float32), rtol=1e-6)
+    assert int(final.skipped_steps) == skipped
+    assert lo <= float(scales.min()) and float(scales.max()) <= hi
+
+
+def test_scaler_metrics_are_scalars_in_and_out_of_jit():
+    state = jaxmp.adjust(jaxmp.init_scaler(initial_scale=4.0), False)
+    metrics = jaxmp.scaler_metrics(state)
+    assert {k: v.item() for k, v in metrics.items()} == {
+        "loss_scale": 2.0, "skipped_steps": 1, "steps_since_overflow": 0, "overflow_streak": 1}
+    jitted = jax.jit(jaxmp.scaler_metrics)(state)
+    assert all(v.shape == () for v in jitted.values())
