@@ -77,8 +77,12 @@ def optimizer_update(
         [1.0, 1.0]
     """
     finite = loss_scale.check_finite_flag(finite)
-    updates, new_opt_state = optimizer.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
+    # optax's transformations rely on standard promotion internally (e.g. a
+    # float decay raised to an int32 step count). Allow it for the optimizer
+    # alone, so users who trace under strict promotion can still use optax.
+    with jax.numpy_dtype_promotion("standard"):
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
     params = select_tree(finite, new_params, params)
     opt_state = select_tree(finite, new_opt_state, opt_state)
     return params, opt_state
