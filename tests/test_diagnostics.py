@@ -1,0 +1,88 @@
+"""Tests of jaxmp._src.diagnostics."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxmp
+from jaxmp._src import diagnostics
+
+
+def _mlp_loss(params, x):
+    h = jnp.tanh(x @ params["w1"])
+    return jnp.mean(h @ params["w2"])
+
+
+def _params():
+    return {"w1": jnp.ones((16, 32)), "w2": jnp.ones((32, 4))}
+
+
+def test_saved_bytes_halve_in_half_precision():
+    params, x = _params(), jnp.ones((64, 16))
+    full = jaxmp.saved_activation_bytes(_mlp_loss, params, x)
+    half = jaxmp.saved_activation_bytes(jaxmp.cast_function(_mlp_loss, jnp.float16), params, x)
+    assert full > 0 and full == 2 * half
+
+
+def test_saved_bytes_grow_with_batch_and_accept_shape_structs():
+    params = _params()
+    small = jaxmp.saved_activation_bytes(_mlp_loss, params, jax.ShapeDtypeStruct((8, 16), jnp.float32))
+    big = jaxmp.saved_activation_bytes(_mlp_loss, params, jax.ShapeDtypeStruct((800, 16), jnp.float32))
+    # tanh saves its [B, 32] output: 32 * 4 bytes per extra example at least.
+    assert big - small >= 792 * 32 * 4
+
+
+def test_saved_bytes_with_aux_static_args_and_argnums():
+    def loss(params, x, scale_name, *, power):
+        y = jnp.sum(jnp.sin(x @ params["w1"]) ** power)
+        return y, {"name": scale_name}
+
+    params, x = _params(), jnp.ones((4, 16))
+    by_params = jaxmp.saved_activation_bytes(loss, params, x, "s", has_aux=True, power=2)
+    by_both = jaxmp.saved_activation_bytes(loss, params, x, "s", argnums=(0, 1), has_aux=True, power=2)
+    assert by_params > 0 and by_both >= by_params
+
+
+def test_matmul_flops_counts_dots_and_convolutions():
+    def f(w, x, k):
+        y = x.astype(jnp.float16) @ w.astype(jnp.float16)  # 2*2*4*3 = 48 flops
+        z = jax.lax.conv_general_dilated(k, k, (1, 1), "SAME",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        e = jnp.einsum("bij,bjk->bik", x[None], x.T[None])  # 2*1*2*2*4 = 32 flops
+        return jnp.sum(y.astype(jnp.float32)) + jnp.sum(z) + jnp.sum(e)
+
+    # conv: 81 outputs, each 3*3*3 = 27 multiply-adds -> 4374 flops
+    flops = jaxmp.matmul_flops(f, jnp.ones((4, 3)), jnp.ones((2, 4)), jnp.ones((3, 3, 3, 3)))
+    assert flops == {"float16": 48, "float32": 4374 + 32}
+
+
+def test_operand_dtype_not_accumulation_dtype_is_counted():
+    flops = jaxmp.matmul_flops(
+        lambda a, b: jax.lax.dot(a, b, preferred_element_type=jnp.float32),
+        jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 2), jnp.bfloat16))
+    assert flops == {"bfloat16": 24}
+
+
+def test_mixed_operand_dtypes_are_counted_as_mixed():
+    line = ("%2 = stablehlo.dot_general %0, %1, contracting_dims = [1] x [0] : "
+            "(tensor<2x4xf16>, tensor<4x3xf32>) -> tensor<2x3xf32>")
+    assert diagnostics._op_flops(line) == ("mixed", 48)
+    assert diagnostics._op_flops("%3 = stablehlo.add %1, %2 : tensor<2xf32>") is None
+
+
+def test_half_share_of_a_mixed_training_step():
+    params, x = _params(), jnp.ones((8, 16))
+
+    def step(params, x, state):
+        return jaxmp.mp_value_and_grad(_mlp_loss)(params, x, scaler_state=state)
+
+    state = jaxmp.init_scaler()
+    assert jaxmp.half_matmul_flop_share(step, params, x, state) == 1.0
+    assert jaxmp.half_matmul_flop_share(jax.value_and_grad(_mlp_loss), params, x) == 0.0
+    assert jaxmp.half_matmul_flop_share(lambda v: v + 1, x) == 0.0
+
+
+@pytest.mark.parametrize("platform", ["cuda", "cpu"])
+def test_lowering_platforms(platform):
+    flops = jaxmp.matmul_flops(lambda a: a @ a, jnp.ones((4, 4)), platform=platform)
+    assert flops == {"float32": 2 * 4 * 4 * 4}
