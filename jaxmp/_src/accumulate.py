@@ -286,5 +286,8 @@ def accumulate_value_and_grad(
         value = (loss, aux) if has_aux else loss
         return value, grads, state, finite
 
+    # functools.wraps points __wrapped__ at fn, whose signature lacks
+    # scaler_state; equinox.filter_jit binds arguments to that signature.
+    del accumulated_fn.__wrapped__
     return accumulated_fn
 
