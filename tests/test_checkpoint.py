@@ -1,0 +1,148 @@
+"""Checkpoint and resume: (params, optimizer state, scaler state) survive a restart bit for bit."""
+
+import flax.serialization
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import jaxmp
+
+N, M = 8, 8  # steps before and after the restart
+
+
+def loss_fn(params, x, y):
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    return jnp.mean(((h @ params["w2"])[:, 0] - y) ** 2)
+
+
+def init_params():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {
+        "w1": jax.random.normal(k1, (8, 16)) * 0.5,
+        "b1": jnp.zeros((16,)),
+        "w2": jax.random.normal(k2, (16, 1)) * 0.5,
+    }
+
+
+def batch(step):
+    # The data of a step depends on the step number only, as with a resumable loader.
+    kx, ky = jax.random.split(jax.random.fold_in(jax.random.key(1), step))
+    return jax.random.normal(kx, (32, 8)), jax.random.normal(ky, (32,))
+
+
+OPTIMIZER = optax.adam(1e-2)
+GRAD_FN = jaxmp.mp_value_and_grad(loss_fn)
+
+
+@jax.jit
+def train_step(train_state, step):
+    params, opt_state, scaler = train_state
+    x, y = batch(step)
+    _, grads, scaler, finite = GRAD_FN(params, x, y, scaler_state=scaler)
+    params, opt_state = jaxmp.optimizer_update(params, OPTIMIZER, opt_state, grads, finite)
+    return params, opt_state, scaler
+
+
+def fresh_state():
+    params = init_params()
+    # A scale too large for this model (it overflows at first and backs off),
+    # a short growth interval and hysteresis: the scaler's counters all move.
+    scaler = jaxmp.init_scaler(initial_scale=2.0**17, growth_interval=3, hysteresis=2)
+    return params, OPTIMIZER.init(params), scaler
+
+
+def run(train_state, start, stop):
+    # optax.adam computes decay ** count (Python float ** int32), an implicit
+    # promotion strict mode rejects; only the training steps run under "standard".
+    with jax.numpy_dtype_promotion("standard"):
+        for step in range(start, stop):
+            train_state = train_step(train_state, jnp.asarray(step, jnp.int32))
+    return train_state
+
+
+def assert_bit_identical(a, b):
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    return run(fresh_state(), 0, N + M)
+
+
+def test_orbax_restart_is_bit_identical_to_an_uninterrupted_run(tmp_path, uninterrupted):
+    at_n = run(fresh_state(), 0, N)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "step_8", at_n)
+    checkpointer.wait_until_finished()
+    del at_n
+
+    # A new process would rebuild the target from its configuration.
+    target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, fresh_state())
+    restored = checkpointer.restore(tmp_path / "step_8", target)
+    checkpointer.close()
+    params, opt_state, scaler = restored
+    assert isinstance(scaler, jaxmp.ScalerState)
+    assert (scaler.growth_interval, scaler.hysteresis) == (3, 2)
+    assert isinstance(opt_state[0], optax.ScaleByAdamState)
+
+    resumed = run(restored, N, N + M)
+    assert_bit_identical(resumed, uninterrupted)
+    # The run exercised the scaler: overflows were skipped, and the scale moved.
+    final = uninterrupted[2]
+    assert int(final.skipped_steps) > 0
+    assert float(final.scale) != 2.0**17
+
+
+def test_restart_without_the_scaler_state_diverges(tmp_path, uninterrupted):
+    # The scaler state is part of what must be saved: resuming with a fresh
+    # scaler (a common mistake) does not reproduce the run. This guards the
+    # test above against a scaler that never mattered.
+    params, opt_state, _ = run(fresh_state(), 0, N)
+    resumed = run((params, opt_state, fresh_state()[2]), N, N + M)
+    scalers_differ = not np.array_equal(resumed[2].scale, uninterrupted[2].scale) or not (
+        np.array_equal(resumed[2].skipped_steps, uninterrupted[2].skipped_steps))
+    assert scalers_differ
+
+
+def test_flax_serialization_round_trip_keeps_the_scaler_settings():
+    scaler = jaxmp.init_scaler(
+        initial_scale=2.0**10, growth_interval=7, growth_factor=3.0, backoff_factor=0.25,
+        min_scale=2.0, max_scale=2.0**20, hysteresis=4)
+    scaler = jaxmp.adjust(jaxmp.adjust(scaler, jnp.asarray(True)), jnp.asarray(False))
+    params = init_params()
+    with jax.numpy_dtype_promotion("standard"):  # see run()
+        opt_state = OPTIMIZER.init(params)
+    blob = flax.serialization.to_bytes((params, opt_state, scaler))
+    target = (init_params(), OPTIMIZER.init(params), jaxmp.init_scaler(
+        initial_scale=2.0**10, growth_interval=7, growth_factor=3.0, backoff_factor=0.25,
+        min_scale=2.0, max_scale=2.0**20, hysteresis=4))
+    restored = flax.serialization.from_bytes(target, blob)
+    assert_bit_identical(restored, (params, opt_state, scaler))
+    r = restored[2]
+    assert (r.mode, r.growth_interval, r.growth_factor, r.backoff_factor, r.min_scale,
+            r.max_scale, r.hysteresis) == ("dynamic", 7, 3.0, 0.25, 2.0, 2.0**20, 4)
+    assert int(r.steps_since_overflow) == 0 and int(r.overflow_streak) == 1
+    assert int(r.skipped_steps) == 1
+    # The restored state works in a jitted step with the original: same tree type.
+    assert jax.tree_util.tree_structure(r) == jax.tree_util.tree_structure(scaler)
+
+
+@pytest.mark.parametrize("make", [lambda: jaxmp.static_scaler(64.0), jaxmp.noop_scaler],
+                         ids=["static", "noop"])
+def test_static_and_noop_scalers_round_trip(tmp_path, make):
+    state = jaxmp.adjust(make(), jnp.asarray(False))
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "scaler", state)
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(tmp_path / "scaler", make())
+    checkpointer.close()
+    assert restored.mode == state.mode and restored.max_scale == state.max_scale
+    assert_bit_identical(restored, state)
+    blob = flax.serialization.to_bytes(state)
+    assert_bit_identical(flax.serialization.from_bytes(make(), blob), state)
