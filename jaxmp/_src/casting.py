@@ -48,6 +48,8 @@ def canonical_float_dtype(dtype: Any, *, allowed=None, what: str = "dtype") -> n
         allowed: the dtypes accepted; by default any floating-point dtype.
         what: the name of the argument, used in the error message.
     """
+    if dtype is None:  # jnp.dtype(None) would silently mean float64
+        raise ValueError(f"{what} must be a floating-point dtype, got None.")
     try:
         dt = jnp.dtype(dtype)
     except TypeError as e:

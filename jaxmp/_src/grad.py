@@ -72,9 +72,14 @@ def _split_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
     if not has_aux:
         return out, None
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        if isinstance(out, (tuple, list)):
+            got = f"a {type(out).__name__} of length {len(out)}"
+        elif hasattr(out, "shape") and hasattr(out, "dtype"):
+            got = f"a single array of shape {tuple(out.shape)}; without aux, use has_aux=False"
+        else:
+            got = type(out).__name__
         raise TypeError(
-            "With has_aux=True the loss function must return a pair (loss, aux), "
-            f"got {type(out).__name__}."
+            f"With has_aux=True the loss function must return a pair (loss, aux), got {got}."
         )
     return out[0], out[1]
 

@@ -272,7 +272,13 @@ def unscale(state: ScalerState, tree: PyTree) -> PyTree:
 
 def check_finite_flag(finite: Any) -> jax.Array:
     """Returns ``finite`` as an array, raising ``ValueError`` unless it is a scalar bool."""
-    finite = jnp.asarray(finite)
+    try:
+        finite = jnp.asarray(finite)
+    except (TypeError, ValueError):
+        raise ValueError(
+            "finite must be a scalar boolean (as returned by jaxmp.all_finite or "
+            f"jaxmp.mp_value_and_grad), got {type(finite).__name__}."
+        ) from None
     if finite.shape != () or finite.dtype != jnp.bool_:
         raise ValueError(
             "finite must be a scalar boolean (as returned by jaxmp.all_finite or "
