@@ -1,0 +1,451 @@
+"""Tests of jaxmp.autocast against float32 references."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmp
+from benchmarks.models import DESKTOP_VIT, TINY_VIT, init_vit, vit_loss
+
+F16 = jnp.float16
+
+
+def _dtypes_of(fn, *args, prim=None):
+    """The output dtypes of every equation (optionally of one primitive) in the jaxpr of ``fn``."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if prim is None or eqn.primitive.name == prim:
+                found.extend((eqn.primitive.name, str(v.aval.dtype)) for v in eqn.outvars)
+            for p in eqn.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+                        walk(sub.jaxpr)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def _assert_close(actual, expected, rtol, atol=0.0):
+    for a, e in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected)):
+        assert a.dtype == e.dtype
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(e, np.float32),
+                                   rtol=rtol, atol=atol)
+
+
+def _activations(scale, shape=(16, 64), out=128, seed=0):
+    """Weights and inputs whose product has entries of about ``scale`` (fits float16)."""
+    kw, kx = jax.random.split(jax.random.key(seed))
+    w = jax.random.uniform(kw, (shape[1], out), minval=0.5, maxval=1.5) / shape[1]
+    x = scale * jax.random.uniform(kx, shape, minval=0.5, maxval=1.5)
+    return w, x
+
+
+# --- Overflow in float16, fixed by autocast -------------------------------------------
+
+
+def test_sum_of_large_activations():
+    def total(w, x):
+        return jnp.sum(x @ w)  # 16 * 128 entries of about 300: about 6e5 > 65504
+
+    w, x = _activations(300.0)
+    assert not np.isfinite(float(jaxmp.cast_function(total, F16)(w, x)))
+    out = jaxmp.autocast(total, F16)(w, x)
+    assert out.dtype == jnp.float32
+    _assert_close(out, total(w, x), rtol=2e-3)
+
+
+def test_large_sum_before_a_division_stays_float32():
+    def normalise(w, x):
+        h = x @ w
+        return h / jnp.sum(h)  # h is half precision, its sum is not
+
+    w, x = _activations(300.0)
+    # In float16 the sum is inf and every entry of the result becomes 0.
+    assert not np.any(jaxmp.cast_function(normalise, F16)(w, x))
+    _assert_close(jaxmp.autocast(normalise, F16)(w, x), normalise(w, x), rtol=5e-3)
+
+
+def test_naive_softmax_and_logsumexp_of_large_logits():
+    def softmax(w, x):
+        e = jnp.exp(x @ w)  # logits about 20: exp(20) = 5e8 > 65504
+        return e / jnp.sum(e, axis=-1, keepdims=True)
+
+    def logsumexp(w, x):
+        return jnp.log(jnp.sum(jnp.exp(x @ w), axis=-1))
+
+    w, x = _activations(20.0)
+    for fn in (softmax, logsumexp):
+        assert not np.all(np.isfinite(jaxmp.cast_function(fn, F16)(w, x)))
+        _assert_close(jaxmp.autocast(fn, F16)(w, x), fn(w, x), rtol=1e-2, atol=1e-6)
+
+
+def test_jax_nn_softmax_and_log_softmax_run_in_float32():
+    # jax.nn.softmax subtracts the maximum first, so it does not overflow in
+    # float16; under autocast its exponentials and sums still run in float32.
+    w, x = _activations(8.0)
+    labels = jnp.arange(16) % 128
+
+    def cross_entropy(w, x):
+        logp = jax.nn.log_softmax(x @ w, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=-1))
+
+    def probs(w, x):
+        return jax.nn.softmax(x @ w, axis=-1)
+
+    for fn in (cross_entropy, probs):
+        f = jaxmp.autocast(fn, F16)
+        # The exponentials and their sums run in float32 inside autocast.
+        assert {d for _, d in _dtypes_of(f, w, x, prim="exp")} == {"float32"}
+        assert {d for _, d in _dtypes_of(f, w, x, prim="reduce_sum")} == {"float32"}
+        # The logits (a float16 matmul output) are rounded to 2**-8, hence the tolerance.
+        _assert_close(f(w, x), fn(w, x), rtol=1e-2, atol=1e-2)
+
+
+def _layer_norm(x, scale, bias):
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean((x - mean) ** 2, axis=-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * scale + bias
+
+
+def test_layer_norm_variance_of_large_activations():
+    def block(w, x, scale, bias):
+        h = x @ w
+        h = h + 300.0 * jnp.sin(jnp.arange(h.shape[-1], dtype=h.dtype))  # spread of about 300
+        return _layer_norm(h, scale, bias)
+
+    w, x = _activations(100.0)
+    scale, bias = jnp.full((128,), 1.5), jnp.full((128,), 0.1)
+    ref = block(w, x, scale, bias)
+    # In float16 the squared deviations overflow, the variance is inf and the
+    # normalised activations collapse to the bias.
+    np.testing.assert_array_equal(jaxmp.cast_function(block, F16)(w, x, scale, bias), F16(0.1))
+    assert float(jnp.std(ref)) > 1.0
+    out = jaxmp.autocast(block, F16)(w, x, scale, bias)
+    _assert_close(out, ref, rtol=1e-2, atol=1e-2)
+
+
+# --- Which precision each operation gets ------------------------------------------------
+
+
+def test_float32_bias_does_not_pull_activations_back_to_float32():
+    def dense(w, b, x):
+        return jnp.tanh(x @ w + b) * 2.0
+
+    w, x = _activations(1.0)
+    b = jnp.ones((128,))
+    f = jaxmp.autocast(dense, F16)
+    dtypes = _dtypes_of(f, w, b, x)
+    assert ("add", "float16") in dtypes and ("add", "float32") not in dtypes
+    assert ("tanh", "float16") in dtypes and ("mul", "float16") in dtypes
+    out = f(w, b, x)
+    assert out.dtype == jnp.float32  # the output dtype of ``dense``
+    _assert_close(out, dense(w, b, x), rtol=0, atol=3e-3)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_matmuls_run_in_compute_dtype_forward_and_backward(dtype):
+    def mlp(params, x):
+        for w in params:
+            x = jax.nn.relu(x @ w)
+        return jnp.mean(x)
+
+    params = [jnp.ones((8, 8)) / 8] * 3
+    x = jnp.ones((4, 8))
+    flops = jaxmp.matmul_flops(jax.grad(jaxmp.autocast(mlp, dtype)), params, x)
+    assert set(flops) == {jnp.dtype(dtype).name}
+    assert jaxmp.matmul_flops(jax.grad(mlp), params, x).keys() == {"float32"}
+
+
+def test_preferred_element_type_follows_compute_dtype():
+    def f(a, b):
+        return jax.lax.dot(a, b, preferred_element_type=jnp.float32)
+
+    a, b = jnp.ones((2, 3)), jnp.ones((3, 4))
+    assert _dtypes_of(jaxmp.autocast(f, F16), a, b, prim="dot_general") == [("dot_general", "float16")]
+    out = jaxmp.autocast(f, F16)(a, b)
+    assert out.dtype == jnp.float32
+    _assert_close(out, f(a, b), rtol=0)
+
+
+def test_user_rules_extend_and_override_the_defaults():
+    def f(w, x):
+        return jnp.sum(jnp.tanh(x @ w))
+
+    w, x = _activations(1.0)
+    more = jaxmp.autocast(f, F16, full_precision=jaxmp.autocast.FULL_PRECISION | {"tanh"})
+    assert _dtypes_of(more, w, x, prim="tanh") == [("tanh", "float32")]
+    default = jaxmp.autocast(f, F16)
+    assert _dtypes_of(default, w, x, prim="tanh") == [("tanh", "float16")]
+    no_half = jaxmp.autocast(f, F16, low_precision=frozenset())
+    assert jaxmp.half_matmul_flop_share(no_half, w, x) == 0.0
+    assert jaxmp.half_matmul_flop_share(default, w, x) == 1.0
+    # A sum moved out of the float32 list and into ``follow`` runs in float16.
+    half_sum = jaxmp.autocast(
+        f, F16, full_precision=jaxmp.autocast.FULL_PRECISION - {"reduce_sum"},
+        follow=jaxmp.autocast.FOLLOW | {"reduce_sum"})
+    assert _dtypes_of(half_sum, w, x, prim="reduce_sum") == [("reduce_sum", "float16")]
+    for g in (more, default, no_half):
+        _assert_close(g(w, x), f(w, x), rtol=3e-3)
+    _assert_close(half_sum(w, x), f(w, x), rtol=3e-2)  # a float16 sum of 2048 terms
+    # The module defaults are immutable: nothing above changed them.
+    assert "tanh" not in jaxmp.autocast.FULL_PRECISION
+    assert "reduce_sum" in jaxmp.autocast.FULL_PRECISION
+
+
+def test_invalid_arguments():
+    with pytest.raises(ValueError, match="compute_dtype"):
+        jaxmp.autocast(jnp.sin, jnp.int32)
+    with pytest.raises(TypeError, match="primitive names"):
+        jaxmp.autocast(jnp.sin, F16, full_precision="exp")
+
+
+# --- Gradients against float32 -----------------------------------------------------------
+
+
+def _mlp_loss(params, x, y):
+    h = x
+    for layer in params[:-1]:
+        h = jax.nn.gelu(h @ layer["w"] + layer["b"])
+    logits = h @ params[-1]["w"] + params[-1]["b"]
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=-1))
+
+
+def _mlp_params(key, sizes):
+    keys = jax.random.split(key, len(sizes) - 1)
+    return [{"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.full((b,), 0.1)}
+            for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float16, 1e-2), (jnp.bfloat16, 6e-2)])
+def test_mlp_gradients_match_float32(dtype, tol):
+    params = _mlp_params(jax.random.key(0), [16, 32, 32, 10])
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    y = jnp.arange(8, dtype=jnp.int32)
+    loss, grads = jax.value_and_grad(jaxmp.autocast(_mlp_loss, dtype))(params, x, y)
+    ref, ref_grads = jax.value_and_grad(_mlp_loss)(params, x, y)
+    assert loss.dtype == jnp.float32
+    np.testing.assert_allclose(loss, ref, rtol=tol)
+    for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads)):
+        assert g.dtype == jnp.float32
+        np.testing.assert_allclose(g, r, atol=tol * float(jnp.max(jnp.abs(r))))
+
+
+def test_transformer_gradients_match_float32():
+    params = init_vit(jax.random.key(0), TINY_VIT)
+    images = jax.random.normal(jax.random.key(1), (4, 8, 8, 3))
+    labels = jnp.arange(4, dtype=jnp.int32)
+    loss_fn = functools.partial(vit_loss, config=TINY_VIT)
+    loss, grads = jax.jit(jax.value_and_grad(jaxmp.autocast(loss_fn, F16)))(params, images, labels)
+    ref, ref_grads = jax.jit(jax.value_and_grad(loss_fn))(params, images, labels)
+    np.testing.assert_allclose(loss, ref, rtol=1e-3)
+    for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads)):
+        assert g.dtype == jnp.float32
+        np.testing.assert_allclose(g, r, atol=1e-2 * float(jnp.max(jnp.abs(r))))
+
+
+def test_recomputation_does_not_change_values():
+    params = _mlp_params(jax.random.key(0), [16, 32, 10])
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    y = jnp.arange(8, dtype=jnp.int32)
+    a = jax.value_and_grad(jaxmp.autocast(_mlp_loss, F16))(params, x, y)
+    b = jax.value_and_grad(jaxmp.autocast(_mlp_loss, F16, recompute_float32=False))(params, x, y)
+    _assert_close(a, b, rtol=1e-6)
+
+
+def test_float32_compute_dtype_is_float32_throughout():
+    params = _mlp_params(jax.random.key(0), [16, 32, 10])
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    y = jnp.arange(8, dtype=jnp.int32)
+    f = jaxmp.autocast(_mlp_loss, jnp.float32)
+    assert {d for _, d in _dtypes_of(f, params, x, y)} <= {"float32", "int32", "bool"}
+    _assert_close(jax.grad(f)(params, x, y), jax.grad(_mlp_loss)(params, x, y), rtol=1e-5, atol=1e-7)
+
+
+# --- Transformations and control flow ----------------------------------------------------
+
+
+def test_jit_vmap_grad_and_closures():
+    w, x = _activations(1.0, shape=(4, 8), out=8)
+
+    def f(w, x):
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+    g = jaxmp.autocast(f, F16)
+    _assert_close(jax.jit(g)(w, x), f(w, x), rtol=3e-3)
+    _assert_close(jax.vmap(g, in_axes=(None, 0))(w, x[:, None]), jax.vmap(f, in_axes=(None, 0))(w, x[:, None]), rtol=3e-3)
+    _assert_close(jax.jit(jax.grad(g))(w, x), jax.grad(f)(w, x), rtol=0, atol=1e-2)
+    # A function closing over a traced value from an enclosing jit.
+    closed = jax.jit(lambda w: jaxmp.autocast(lambda x: f(w, x), F16)(x))
+    _assert_close(closed(w), f(w, x), rtol=3e-3)
+
+
+def test_scan_carries_keep_their_dtypes_and_bodies_are_autocast():
+    w = jnp.full((8, 8), 1.0 / 8)
+    xs = jax.random.normal(jax.random.key(0), (5, 4, 8))
+
+    def rnn(w, xs):
+        def step(carry, x):
+            h, total = carry
+            h = jnp.tanh(h @ w + x)
+            return (h, total + jnp.sum(jnp.exp(h))), h
+
+        (h, total), hs = jax.lax.scan(step, (jnp.zeros((4, 8)), jnp.float32(0.0)), xs)
+        return total + jnp.sum(hs), h
+
+    f = jaxmp.autocast(rnn, F16)
+    assert ("dot_general", "float16") in _dtypes_of(f, w, xs, prim="dot_general")
+    assert ("scan", "float32") in _dtypes_of(f, w, xs, prim="scan")  # the carries
+    _assert_close(f(w, xs), rnn(w, xs), rtol=2e-3, atol=2e-3)
+    grad = jax.grad(lambda w, xs: f(w, xs)[0])(w, xs)
+    ref = jax.grad(lambda w, xs: rnn(w, xs)[0])(w, xs)
+    _assert_close(grad, ref, rtol=0, atol=1e-2 * float(jnp.max(jnp.abs(ref))))
+
+
+def test_while_loop_and_cond():
+    def branches(w, h, k=40.0):
+        return jax.lax.cond(jnp.sum(h) > 0, lambda h: jnp.sum(jnp.exp(k * (h @ w))),
+                            lambda h: -jnp.sum(h @ w), h)
+
+    def f(w, x):
+        def body(state):
+            i, h = state
+            return i + 1, jnp.tanh(h @ w)
+
+        i, h = jax.lax.while_loop(lambda s: s[0] < 3, body, (jnp.int32(0), x))
+        return i, h, branches(w, h)
+
+    w, x = _activations(1.0, shape=(4, 8), out=8)
+    g = jaxmp.autocast(f, F16)
+    assert set(_dtypes_of(g, w, x, prim="dot_general")) == {("dot_general", "float16")}
+    assert _dtypes_of(g, w, x, prim="while") == [("while", "int32"), ("while", "float32")]
+    i, h, big = g(w, x)
+    ri, rh, rbig = f(w, x)
+    assert i.dtype == jnp.int32 and int(i) == int(ri) == 3
+    _assert_close(h, rh, rtol=0, atol=3e-3)
+    assert np.isfinite(float(big))  # exp(40 * h @ w) > 65504: computed in float32
+    _assert_close(big, rbig, rtol=2e-2)
+    # Gradients through cond (while_loop has no reverse-mode derivative), with
+    # a smaller exponent: the cotangents of a float16 matmul must fit float16.
+    ac = jaxmp.autocast(branches, F16)
+    for h in (rh, -rh):
+        _assert_close(jax.grad(ac)(w, h, 2.0), jax.grad(branches)(w, h, 2.0), rtol=2e-2, atol=1e-2)
+
+
+def test_checkpoint_inside():
+    def f(w, x):
+        layer = jax.checkpoint(lambda x: jax.nn.gelu(x @ w))
+        return jnp.sum(layer(layer(x)))
+
+    w, x = _activations(1.0, shape=(4, 8), out=8)
+    g = jaxmp.autocast(f, F16)
+    assert _dtypes_of(g, w, x, prim="dot_general") == [("dot_general", "float16")] * 2
+    _assert_close(g(w, x), f(w, x), rtol=3e-3)
+    _assert_close(jax.grad(g)(w, x), jax.grad(f)(w, x), rtol=0, atol=2e-2)
+
+
+def test_custom_jvp_keeps_its_rule():
+    # relu is a custom_jvp whose derivative at 0 is 0 (plain autodiff of max gives 0.5).
+    def f(x, w):
+        return jnp.sum(jax.nn.relu(x @ w))
+
+    x, w = jnp.zeros((2, 3)), jnp.ones((3, 4))
+    g = jaxmp.autocast(f, F16)
+    assert ("dot_general", "float16") in _dtypes_of(g, x, w, prim="dot_general")
+    _assert_close(jax.grad(g)(x, w), jax.grad(f)(x, w), rtol=0)
+    x = jax.random.normal(jax.random.key(0), (2, 3))
+    _assert_close(jax.grad(g)(x, w), jax.grad(f)(x, w), rtol=0, atol=1e-2)
+
+
+def test_custom_vjp_keeps_its_rule():
+    @jax.custom_vjp
+    def clip_gradient(x):
+        return x
+
+    clip_gradient.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -0.5, 0.5),))
+
+    def f(w, x):
+        h = clip_gradient(jnp.exp(x @ w))  # exp runs in float32 inside the custom_vjp call
+        return jnp.sum(h * 3.0)
+
+    w, x = _activations(1.0, shape=(4, 8), out=8)
+    g = jaxmp.autocast(f, F16)
+    _assert_close(g(w, x), f(w, x), rtol=3e-3)
+    grads = jax.grad(g)(w, x)
+    assert grads.dtype == jnp.float32
+    _assert_close(grads, jax.grad(f)(w, x), rtol=0, atol=2e-2)
+
+
+def test_integers_keys_and_static_arguments_are_untouched():
+    def f(params, batch, key, scale=2.0, name="model"):
+        noise = jax.random.normal(key, batch["x"].shape)
+        h = (batch["x"] + 0.01 * noise) @ params
+        ids = jnp.argmax(h, axis=-1) + batch["offset"]
+        return {"ids": ids, "y": h * scale, "name_len": jnp.int32(len(name)), "key": key}
+
+    params = jnp.ones((8, 3))
+    batch = {"x": jax.random.normal(jax.random.key(1), (4, 8)), "offset": jnp.arange(4)}
+    key = jax.random.key(2)
+    out = jaxmp.autocast(f, F16)(params, batch, key, scale=3.0)
+    ref = f(params, batch, key, scale=3.0)
+    assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(ref)
+    assert out["ids"].dtype == ref["ids"].dtype and out["y"].dtype == jnp.float32
+    np.testing.assert_array_equal(out["ids"], ref["ids"])
+    np.testing.assert_array_equal(jax.random.key_data(out["key"]), jax.random.key_data(key))
+    assert int(out["name_len"]) == 5
+    _assert_close(out["y"], ref["y"], rtol=3e-3, atol=3e-3)
+
+
+def test_half_precision_outputs_keep_their_dtype():
+    def f(x16, w):
+        return x16 * 2, jnp.sum(x16.astype(jnp.float32) @ w)
+
+    x16, w = jnp.ones((2, 3), F16), jnp.ones((3,))
+    a, b = jaxmp.autocast(f, jnp.bfloat16)(x16, w)
+    assert a.dtype == F16 and b.dtype == jnp.float32
+    _assert_close((a, b), f(x16, w), rtol=0)
+
+
+# --- With mp_value_and_grad and on the benchmark ViT --------------------------------------
+
+
+def test_mp_value_and_grad_with_autocast():
+    params = _mlp_params(jax.random.key(0), [16, 32, 10])
+    x = 50.0 * jax.random.normal(jax.random.key(1), (8, 16))
+    y = jnp.arange(8, dtype=jnp.int32)
+    state = jaxmp.init_scaler(initial_scale=2.0**10)
+    step = jax.jit(jaxmp.mp_value_and_grad(_mlp_loss, autocast=True))
+    loss, grads, new_state, finite = step(params, x, y, scaler_state=state)
+    ref, ref_grads = jax.value_and_grad(_mlp_loss)(params, x, y)
+    assert bool(finite) and int(new_state.steps_since_overflow) == 1
+    np.testing.assert_allclose(loss, ref, rtol=1e-2)
+    for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads)):
+        assert g.dtype == jnp.float32
+        np.testing.assert_allclose(g, r, atol=2e-2 * float(jnp.max(jnp.abs(r))))
+    # Plain casting sends these inputs to the loss in float16; autocast keeps the
+    # input in float32 and only the matrix products run in half precision.
+    flops = jaxmp.matmul_flops(lambda p: step(p, x, y, scaler_state=state), params)
+    assert set(flops) == {"float16"}
+
+
+def test_desktop_vit_training_step_memory_and_matmul_share():
+    config, batch = DESKTOP_VIT, 8
+    params = jax.eval_shape(lambda: init_vit(jax.random.key(0), config))
+    images = jax.ShapeDtypeStruct((batch, config.image_size, config.image_size, config.channels), jnp.float32)
+    labels = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    loss_fn = functools.partial(vit_loss, config=config)
+    state = jaxmp.init_scaler()
+    step = jaxmp.mp_value_and_grad(loss_fn, compute_dtype=F16, autocast=True)
+    share = jaxmp.half_matmul_flop_share(
+        lambda p, x, y: step(p, x, y, scaler_state=state), params, images, labels)
+    assert share == 1.0
+    full = jaxmp.saved_activation_bytes(loss_fn, params, images, labels)
+    auto = jaxmp.saved_activation_bytes(jaxmp.autocast(loss_fn, F16), params, images, labels)
+    assert full / auto >= 1.8
