@@ -1,6 +1,7 @@
 """jaxmp: mixed-precision training for JAX, as pure functions over explicit state."""
 
 from jaxmp._src.accumulate import accumulate_value_and_grad
+from jaxmp._src.autocast import autocast
 from jaxmp._src.casting import cast_function
 from jaxmp._src.casting import cast_to_bfloat16
 from jaxmp._src.casting import cast_to_float16
@@ -34,6 +35,7 @@ __all__ = (
     "accumulate_value_and_grad",
     "adjust",
     "all_finite",
+    "autocast",
     "cast_function",
     "cast_to_bfloat16",
     "cast_to_float16",
