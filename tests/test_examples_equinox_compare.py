@@ -1,0 +1,119 @@
+"""The Equinox example and the main command (examples/compare.py), as a user runs them."""
+
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_example():
+    # Loaded under a unique name: other examples also have a train.py.
+    name = "jaxmp_example_equinox_train"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, ROOT / "examples" / "equinox" / "train.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while it executes
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("jax_compilation_cache")
+
+
+def _run(argv, cache, **env):
+    env = {
+        **os.environ,
+        "JAXMP_EXAMPLES_QUICK": "1",
+        # The repo root goes on the path so that `import jaxmp` works without an install.
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        # Speed only: the runs below compile the same small programs (the
+        # float16 and bfloat16 steps of the example are those of compare.py),
+        # and a shared persistent compilation cache saves compiling them twice.
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+        **env,
+    }
+    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("precision", ["float16", "bfloat16"])
+def test_equinox_example_runs(precision, jax_cache):
+    proc = _run([sys.executable, "examples/equinox/train.py", "--precision", precision], jax_cache)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = re.search(rf"precision {precision}: test accuracy ([\d.]+)%.*ms/step.*"
+                      r"skipped steps (\d+)", proc.stdout)
+    assert found, proc.stdout
+    assert 0.0 <= float(found.group(1)) <= 100.0
+
+
+def test_readme_main_command(tmp_path, jax_cache):
+    readme = (ROOT / "README.md").read_text()
+    line = next(l for l in readme.splitlines() if "python examples/compare.py" in l)
+    command = shlex.split(line.split("&&", 1)[1])
+    assert command[0] == "python"
+    out = tmp_path / "out"
+    # The output directory comes from the environment, so the command runs as written.
+    proc = _run([sys.executable, *command[1:]], jax_cache, JAXMP_EXAMPLES_OUT=str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for row in ("test accuracy", "final train loss", "time per step", "saved activations",
+                "float32 / this", "skipped steps", "final loss scale"):
+        assert row in proc.stdout, (row, proc.stdout)
+    header = next(l for l in proc.stdout.splitlines() if l.split() == ["float32", "float16", "bfloat16"])
+    assert header
+    # Half-precision activations: float32 keeps more bytes for the backward pass.
+    ratios = re.search(r"float32 / this\s+([\d.]+)x\s+([\d.]+)x\s+([\d.]+)x", proc.stdout)
+    assert float(ratios.group(1)) == 1.0 and float(ratios.group(2)) > 1.2
+    png = out / "compare.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "compare.txt").read_text().strip() in proc.stdout
+
+
+@pytest.mark.parametrize("precision, rtol", [("float16", 1e-2), ("bfloat16", 5e-2)])
+def test_mixed_precision_step_matches_float32_gradients(precision, rtol):
+    example = _load_example()
+    digits = sys.modules["digits"]  # examples/digits.py, imported by the example
+    config = example.QUICK
+    params, static, _ = example.build(config)
+    train_split, _ = digits.load()
+    batch = digits.epoch_batches(train_split, 32, num_steps=1)
+
+    # Reference: plain Equinox in float32.
+    model = eqx.combine(params, static)
+    ref_loss, reference = eqx.filter_jit(eqx.filter_value_and_grad(example.loss_fn))(
+        model, batch.images[0], batch.labels[0])
+    reference = eqx.filter(reference, eqx.is_inexact_array)
+
+    # One jitted step of the example's own training chunk, with SGD at learning
+    # rate 1, so that params - new_params are the gradients it applied.
+    optimizer = optax.sgd(1.0)
+    state = example.TrainState(params, optimizer.init(params), example.init_scaler(precision))
+    train_chunk = example.make_train_chunk(static, optimizer, precision)
+    new_state, (loss, scale, finite) = train_chunk(state, batch)
+    assert bool(finite[0])
+    applied = jax.tree_util.tree_map(lambda p, q: p - q, params, new_state.params)
+
+    leaves = jax.tree_util.tree_leaves(applied)
+    ref_leaves = jax.tree_util.tree_leaves(reference)
+    assert len(leaves) == len(ref_leaves) > 10
+    assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(new_state.params))
+    flat = jnp.concatenate([x.ravel() for x in leaves])
+    ref_flat = jnp.concatenate([x.ravel() for x in ref_leaves])
+    error = float(jnp.linalg.norm(flat - ref_flat) / jnp.linalg.norm(ref_flat))
+    assert error < rtol, error
+    np.testing.assert_allclose(float(loss[0]), float(ref_loss), rtol=rtol)
