@@ -369,8 +369,12 @@ def test_num_microbatches_must_be_a_positive_int():
 def test_batch_axis_must_divide_into_microbatches():
     params, x, y = make_problem(batch=30)
     step = jaxmp.accumulate_value_and_grad(mlp_loss, K)
-    with pytest.raises(ValueError, match=r"divisible by num_microbatches=4; argument 1 .*\(30, 8\)"):
+    with pytest.raises(ValueError, match=r"divisible by num_microbatches=4; argument 1 has shape "
+                                         r"\(30, 8\)"):
         step(params, x, y, scaler_state=jaxmp.init_scaler())
+    step = jaxmp.accumulate_value_and_grad(lambda p, batch: mlp_loss(p, *batch["xy"]), K)
+    with pytest.raises(ValueError, match=r"argument 1 leaf \['xy'\]\[0\] has shape \(30, 8\)"):
+        step(params, {"xy": (x, y)}, scaler_state=jaxmp.init_scaler())
 
 
 def test_differentiated_argument_cannot_be_a_batch_argument():

@@ -222,7 +222,8 @@ def accumulate_value_and_grad(
             with_paths = jax.tree_util.tree_flatten_with_path(args[pos])[0]
             leaves, treedef = jax.tree_util.tree_flatten(args[pos])
             split = [
-                _split_leaf(x, k, f"argument {pos} leaf {jax.tree_util.keystr(path)}")
+                _split_leaf(x, k, f"argument {pos}" + (
+                    f" leaf {jax.tree_util.keystr(path)}" if path else ""))
                 if _is_batched_leaf(x) else None
                 for (path, _), x in zip(with_paths, leaves)
             ]

@@ -19,6 +19,7 @@ PyTree = Any
 
 HALF_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 COMPUTE_DTYPES = HALF_DTYPES + (jnp.dtype(jnp.float32),)
+_SHORT_NAMES = {"f16": jnp.float16, "bf16": jnp.bfloat16, "f32": jnp.float32}
 
 
 def is_float_array(x: Any) -> bool:
@@ -50,6 +51,9 @@ def canonical_float_dtype(dtype: Any, *, allowed=None, what: str = "dtype") -> n
     """
     if dtype is None:  # jnp.dtype(None) would silently mean float64
         raise ValueError(f"{what} must be a floating-point dtype, got None.")
+    if isinstance(dtype, str) and dtype.lower() in _SHORT_NAMES:
+        # The short names of policy strings; NumPy would read "f16" as float128.
+        dtype = _SHORT_NAMES[dtype.lower()]
     try:
         dt = jnp.dtype(dtype)
     except TypeError as e:
