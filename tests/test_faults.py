@@ -10,8 +10,7 @@ import jaxmp
 
 STEPS, BATCH = 300, 16
 MIN_SCALE, MAX_SCALE = 4.0, 2.0**12
-# rmsprop with momentum keeps two moment trees, where a NaN would stay for
-# good, and (unlike optax.adam) runs under strict promotion.
+# rmsprop with momentum keeps two moment trees, where a NaN would stay for good.
 OPTIMIZER = optax.rmsprop(1e-2, momentum=0.9)
 
 
