@@ -388,3 +388,19 @@ def test_there_must_be_a_batch_argument():
     step = jaxmp.accumulate_value_and_grad(lambda p: jnp.sum(p["w1"]), K)
     with pytest.raises(ValueError, match="no batch argument to split"):
         step(params, scaler_state=jaxmp.init_scaler())
+
+
+def test_per_example_keys_in_the_batch_give_the_full_batch_dropout():
+    params, x, y = make_problem()
+    keys = jax.random.split(jax.random.key(3), x.shape[0])  # one key per example
+
+    def dropout_loss(params, x, y, keys):
+        h = jnp.tanh(x @ params["w1"] + params["b1"])
+        keep = jax.vmap(lambda k: jax.random.bernoulli(k, 0.5, (16,)))(keys)
+        h = jnp.where(keep, h * jnp.asarray(2.0, h.dtype), jnp.zeros_like(h))
+        return jnp.mean(((h @ params["w2"])[:, 0] - y) ** 2)
+
+    ref = jax.grad(dropout_loss)(params, x, y, keys)
+    step = jaxmp.accumulate_value_and_grad(dropout_loss, K, compute_dtype=jnp.float32)
+    _, grads, _, _ = step(params, x, y, keys, scaler_state=jaxmp.noop_scaler())
+    assert_tree_close(grads, ref, rtol=1e-5, atol=1e-6)
