@@ -439,8 +439,10 @@ def _recompute_policy(low: frozenset) -> Callable:
     saved, never recomputed.
     """
 
+    always = low | LOW_PRECISION
+
     def policy(prim, *avals, **params):
-        if prim.name in low:
+        if prim.name in always:
             return True
         for key in ("new_dtype", "dtype"):
             if key in params and params[key] is not None:
