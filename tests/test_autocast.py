@@ -305,7 +305,9 @@ def test_scan_carries_keep_their_dtypes_and_bodies_are_autocast():
 
     f = jaxmp.autocast(rnn, F16)
     assert ("dot_general", "float16") in _dtypes_of(f, w, xs, prim="dot_general")
-    assert ("scan", "float32") in _dtypes_of(f, w, xs, prim="scan")  # the carries
+    scan_outs = _dtypes_of(f, w, xs, prim="scan")
+    assert scan_outs[:2] == [("scan", "float32")] * 2  # the carries keep their dtype
+    assert scan_outs[2] == ("scan", "float16")  # the stacked outputs come from a float16 tanh
     _assert_close(jax.jit(f)(w, xs), rnn(w, xs), rtol=2e-3, atol=2e-3)
     grad = jax.jit(jax.grad(lambda w, xs: f(w, xs)[0]))(w, xs)
     ref = jax.grad(lambda w, xs: rnn(w, xs)[0])(w, xs)

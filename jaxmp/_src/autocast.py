@@ -36,7 +36,7 @@ Integer, boolean and PRNG-key values are never touched. Nested ``jit``,
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -111,15 +111,14 @@ def _wide(dtype: Any) -> np.dtype:
     return dtype if dtype.itemsize >= 4 else _F32
 
 
-class _Rules:
-    """The rule sets and the compute dtype of one ``autocast`` call."""
+class _Rules(NamedTuple):
+    """The compute dtype and the rule sets of one ``autocast`` call."""
 
-    def __init__(self, compute_dtype, low, full, follow, passthrough):
-        self.compute_dtype = compute_dtype
-        self.low = frozenset(low)
-        self.full = frozenset(full)
-        self.follow = frozenset(follow)
-        self.passthrough = frozenset(passthrough)
+    compute_dtype: np.dtype
+    low: frozenset
+    full: frozenset
+    follow: frozenset
+    passthrough: frozenset
 
 
 def _bind(eqn, invals: Sequence[Any], params: dict | None = None) -> list[Any]:
@@ -552,7 +551,8 @@ def autocast(
                         ("follow", follow), ("passthrough", passthrough)):
         if isinstance(rule, str) or not all(isinstance(n, str) for n in rule):
             raise TypeError(f"{label} must be a collection of primitive names (strings).")
-    rules = _Rules(compute_dtype, low_precision, full_precision, follow, passthrough)
+    rules = _Rules(compute_dtype, frozenset(low_precision), frozenset(full_precision),
+                   frozenset(follow), frozenset(passthrough))
     recompute = recompute_float32 and _is_half(compute_dtype)
 
     @functools.wraps(fn)
