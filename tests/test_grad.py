@@ -227,3 +227,17 @@ def test_float32_compute_dtype_with_scaling_matches_reference():
     grads, _, _ = jaxmp.mp_grad(_mlp_loss, compute_dtype=jnp.float32)(
         params, x, y, scaler_state=jaxmp.init_scaler(initial_scale=1024.0))
     _assert_tree_close(grads, ref_grads, rtol=1e-5, atol=1e-7)
+
+
+def test_works_under_equinox_filter_jit():
+    # eqx.filter_jit binds arguments to inspect.signature: the wrapper must not
+    # claim fn's signature, which has no scaler_state.
+    eqx = pytest.importorskip("equinox")
+    grad_fn = eqx.filter_jit(jaxmp.mp_value_and_grad(lambda w: jnp.sum(w * w)))
+    loss, grads, _, finite = grad_fn(jnp.ones(2), scaler_state=jaxmp.init_scaler(initial_scale=8.0))
+    assert float(loss) == 2.0 and bool(finite)
+    np.testing.assert_allclose(grads, np.full(2, 2.0))
+    grads, _, _ = eqx.filter_jit(jaxmp.mp_grad(lambda w: jnp.sum(w)))(
+        jnp.ones(2), scaler_state=jaxmp.init_scaler(initial_scale=8.0))
+    np.testing.assert_allclose(grads, np.ones(2))
+    assert jaxmp.mp_grad(lambda w: jnp.sum(w)).__name__ == "<lambda>"

@@ -32,7 +32,6 @@ Composing with optax:
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -186,7 +185,7 @@ def accumulate_value_and_grad(
             out.append(i % n)
         return out
 
-    @functools.wraps(fn)
+    @grad_lib.wraps_adding_scaler_state(fn)
     def accumulated_fn(*args, scaler_state, **kwargs):
         state = loss_scale.check_scaler_state(scaler_state)
         n = len(args)
@@ -287,8 +286,5 @@ def accumulate_value_and_grad(
         value = (loss, aux) if has_aux else loss
         return value, grads, state, finite
 
-    # functools.wraps points __wrapped__ at fn, whose signature lacks
-    # scaler_state; equinox.filter_jit binds arguments to that signature.
-    del accumulated_fn.__wrapped__
     return accumulated_fn
 

@@ -14,6 +14,23 @@ from jaxmp._src import loss_scale
 PyTree = Any
 
 
+def wraps_adding_scaler_state(fn: Callable) -> Callable:
+    """Like ``functools.wraps``, for a wrapper that adds a keyword-only ``scaler_state``.
+
+    ``functools.wraps`` would set ``__wrapped__``, making ``inspect.signature``
+    report ``fn``'s signature, which has no ``scaler_state``; tools that bind
+    arguments to the signature, such as ``equinox.filter_jit``, then reject the
+    call. The name and docstring are copied, ``__wrapped__`` is not kept.
+    """
+
+    def decorate(wrapper: Callable) -> Callable:
+        functools.update_wrapper(wrapper, fn)
+        del wrapper.__wrapped__
+        return wrapper
+
+    return decorate
+
+
 def _partition(tree: PyTree) -> tuple[PyTree, PyTree]:
     """Splits ``tree`` into its floating-point array leaves and the rest (None elsewhere)."""
     floats = jax.tree_util.tree_map(lambda x: x if casting.is_float_array(x) else None, tree)
@@ -168,7 +185,7 @@ def mp_value_and_grad(
         call = fn
         input_dtype = compute_dtype if use_mixed_precision else jnp.dtype(jnp.float32)
 
-    @functools.wraps(fn)
+    @wraps_adding_scaler_state(fn)
     def value_and_grad_fn(*args, scaler_state, **kwargs):
         state = loss_scale.check_scaler_state(scaler_state)
         positions = []
@@ -245,7 +262,7 @@ def mp_grad(fn: Callable, **options: Any) -> Callable:
     value_and_grad_fn = mp_value_and_grad(fn, **options)
     has_aux = options.get("has_aux", False)
 
-    @functools.wraps(fn)
+    @wraps_adding_scaler_state(fn)
     def grad_fn(*args, scaler_state, **kwargs):
         value, grads, state, finite = value_and_grad_fn(*args, scaler_state=scaler_state, **kwargs)
         if has_aux:
