@@ -62,7 +62,7 @@ def table(results, memory, config) -> str:
         ("saved activations, float32 / this", [f"{memory['float32'] / memory[n]:.2f}x"
                                                if "float32" in memory else "-" for n in names]),
         ("skipped steps", [str(r.skipped_steps) for r in results]),
-        ("final loss scale", [f"{r.scales[-1]:g}" for r in results]),
+        ("final loss scale", [f"{r.final_scale:.0f}" for r in results]),
     ]
     width = max(len(label) for label, _ in rows)
     lines = [" " * width + "".join(f"{n:>12}" for n in names)]
@@ -72,21 +72,29 @@ def table(results, memory, config) -> str:
 
 def plot(results, path: str, smooth: int) -> None:
     fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(11, 4))
+    unscaled = []
     for r in results:
         kernel = np.ones(smooth) / smooth
         steps = np.arange(len(r.losses))
         ax_loss.plot(steps[smooth - 1:], np.convolve(r.losses, kernel, mode="valid"),
                      label=r.precision)
+        if np.all(r.scales == 1.0) and np.all(r.finite):
+            unscaled.append(r.precision)
+            continue
         line, = ax_scale.plot(steps, r.scales, label=r.precision, drawstyle="steps-post")
         skipped = np.flatnonzero(~r.finite)
-        ax_scale.plot(skipped, r.scales[skipped], "x", color=line.get_color())
+        if skipped.size:
+            ax_scale.plot(skipped, r.scales[skipped], "x", color=line.get_color(), markersize=9,
+                          label=f"{r.precision}: skipped step (non-finite gradients)")
     ax_loss.set(yscale="log", xlabel="step", ylabel=f"training loss (mean of {smooth} steps)",
-                title="Loss")
-    ax_scale.set(yscale="log", xlabel="step", ylabel="loss scale",
-                 title="Loss scale (x: skipped step)")
+                title="Training loss")
+    ax_scale.set(xlabel="step", ylabel="loss scale used by the step",
+                 title="Dynamic loss scale" + (f" ({' and '.join(unscaled)}: no scaling)"
+                                               if unscaled else ""))
     ax_scale.set_yscale("log", base=2)
     for ax in (ax_loss, ax_scale):
-        ax.legend()
+        if ax.has_data():
+            ax.legend()
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

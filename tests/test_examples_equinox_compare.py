@@ -59,7 +59,8 @@ def test_equinox_example_runs(precision, jax_cache):
     found = re.search(rf"precision {precision}: test accuracy ([\d.]+)%.*ms/step.*"
                       r"skipped steps (\d+)", proc.stdout)
     assert found, proc.stdout
-    assert 0.0 <= float(found.group(1)) <= 100.0
+    # A few steps of a tiny model: well above chance (10%), far from trained.
+    assert 25.0 < float(found.group(1)) <= 100.0
 
 
 def test_readme_main_command(tmp_path, jax_cache):
