@@ -75,11 +75,12 @@ def test_readme_main_command(tmp_path, jax_cache):
     for row in ("test accuracy", "final train loss", "time per step", "saved activations",
                 "float32 / this", "skipped steps", "final loss scale"):
         assert row in proc.stdout, (row, proc.stdout)
-    header = next(l for l in proc.stdout.splitlines() if l.split() == ["float32", "float16", "bfloat16"])
-    assert header
+    columns = ["float32", "float16", "bfloat16"]
+    assert any(line.split() == columns for line in proc.stdout.splitlines()), proc.stdout
     # Half-precision activations: float32 keeps more bytes for the backward pass.
     ratios = re.search(r"float32 / this\s+([\d.]+)x\s+([\d.]+)x\s+([\d.]+)x", proc.stdout)
-    assert float(ratios.group(1)) == 1.0 and float(ratios.group(2)) > 1.2
+    assert float(ratios.group(1)) == 1.0
+    assert float(ratios.group(2)) > 1.2 and float(ratios.group(3)) > 1.2
     png = out / "compare.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "compare.txt").read_text().strip() in proc.stdout
