@@ -20,6 +20,7 @@ import time
 
 _start = time.perf_counter()
 
+import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import matplotlib  # noqa: E402
 
@@ -43,7 +44,7 @@ def saved_activation_bytes(precision: str, config: vit_example.Config) -> int:
     ``jax.eval_shape`` (nothing runs, so the figure is the same on any backend).
     """
     params, static, _ = vit_example.build(config)
-    model = vit_example.eqx.combine(params, static)
+    model = eqx.combine(params, static)
     images = np.zeros((config.batch_size, 8, 8, 1), np.float32)
     labels = np.zeros((config.batch_size,), np.int32)
     loss_fn = jaxmp.cast_function(vit_example.loss_fn, vit_example.DTYPES[precision])

@@ -196,10 +196,11 @@ def train(precision: str, config: Config, progress: bool = True) -> Result:
     params, static, optimizer = build(config)
     state = TrainState(params, optimizer.init(params),
                        init_scaler(precision, config.growth_interval))
-    steps = config.steps // config.chunk * config.chunk
+    chunk_size = min(config.chunk, config.steps)
+    steps = config.steps // chunk_size * chunk_size  # whole chunks: one compiled program
     batches = digits.epoch_batches(train_split, config.batch_size, steps, seed=config.seed)
-    chunks = [jax.tree_util.tree_map(lambda x, i=i: x[i:i + config.chunk], batches)
-              for i in range(0, steps, config.chunk)]
+    chunks = [jax.tree_util.tree_map(lambda x, i=i: x[i:i + chunk_size], batches)
+              for i in range(0, steps, chunk_size)]
 
     start = time.perf_counter()
     train_chunk = make_train_chunk(static, optimizer, precision).lower(state, chunks[0]).compile()
