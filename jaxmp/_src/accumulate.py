@@ -275,16 +275,9 @@ def accumulate_value_and_grad(
         grads = jax.tree_util.tree_map(
             lambda a, p: (a * jnp.asarray(inv_k, a.dtype)).astype(p.dtype), acc, diff
         )
-        loss = jnp.mean(losses)
-        if axis_name is not None:
-            loss = jax.lax.pmean(loss, axis_name)
-            grads = jax.lax.pmean(grads, axis_name)
-        finite = loss_scale.all_finite(grads, axis_name)
-        if use_mixed_precision:
-            state = loss_scale.adjust(state, finite)
-        grads = grads[0] if int_argnums else grads
-        value = (loss, aux) if has_aux else loss
-        return value, grads, state, finite
+        return grad_lib.finish_step(jnp.mean(losses), aux, grads, state, axis_name=axis_name,
+                                    adjust_scale=use_mixed_precision, single_argnum=int_argnums,
+                                    has_aux=has_aux)
 
     return accumulated_fn
 

@@ -101,6 +101,24 @@ def _split_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
     return out[0], out[1]
 
 
+def finish_step(loss, aux, grads, state, *, axis_name, adjust_scale, single_argnum, has_aux):
+    """The end of every jaxmp gradient step, once the gradients are unscaled.
+
+    Averages loss and gradients over ``axis_name``, checks finiteness (the same
+    answer on every device), adjusts the scaler, and packs the results as
+    ``mp_value_and_grad`` returns them.
+    """
+    if axis_name is not None:
+        loss = jax.lax.pmean(loss, axis_name)
+        grads = jax.lax.pmean(grads, axis_name)
+    finite = loss_scale.all_finite(grads, axis_name)
+    if adjust_scale:
+        state = loss_scale.adjust(state, finite)
+    grads = grads[0] if single_argnum else grads
+    value = (loss, aux) if has_aux else loss
+    return value, grads, state, finite
+
+
 def mp_value_and_grad(
     fn: Callable,
     *,
@@ -229,15 +247,9 @@ def mp_value_and_grad(
             grads = jax.tree_util.tree_map(
                 lambda g, p: loss_scale.unscale(state, g).astype(p.dtype), grads, diff
             )
-        if axis_name is not None:
-            loss = jax.lax.pmean(loss, axis_name)
-            grads = jax.lax.pmean(grads, axis_name)
-        finite = loss_scale.all_finite(grads, axis_name)
-        if use_mixed_precision:
-            state = loss_scale.adjust(state, finite)
-        grads = grads[0] if int_argnums else grads
-        value = (loss, aux) if has_aux else loss
-        return value, grads, state, finite
+        return finish_step(loss, aux, grads, state, axis_name=axis_name,
+                           adjust_scale=use_mixed_precision, single_argnum=int_argnums,
+                           has_aux=has_aux)
 
     return value_and_grad_fn
 

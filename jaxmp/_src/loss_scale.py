@@ -18,7 +18,7 @@ Three modes share the one state type:
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -220,6 +220,20 @@ def _wide_dtype(x) -> Any:
     return x.dtype if jnp.finfo(x.dtype).bits > 32 else jnp.float32
 
 
+def _apply_scale(state: ScalerState, tree: PyTree, op: Callable) -> PyTree:
+    """Widens the floating-point leaves of ``tree`` to float32, then applies ``op(leaf, scale)``."""
+    check_scaler_state(state)
+
+    def leaf(x):
+        if not casting.is_float_array(x):
+            return x
+        x = jnp.asarray(x)
+        x = x.astype(_wide_dtype(x))
+        return x if state.mode == "none" else op(x, state.scale.astype(x.dtype))
+
+    return jax.tree_util.tree_map(leaf, tree)
+
+
 def scale(state: ScalerState, tree: PyTree) -> PyTree:
     """Multiplies the floating-point leaves of ``tree`` by the loss scale.
 
@@ -233,16 +247,7 @@ def scale(state: ScalerState, tree: PyTree) -> PyTree:
         >>> float(scaled), scaled.dtype
         (98304.0, dtype('float32'))
     """
-    check_scaler_state(state)
-
-    def leaf(x):
-        if not casting.is_float_array(x):
-            return x
-        x = jnp.asarray(x)
-        x = x.astype(_wide_dtype(x))
-        return x if state.mode == "none" else x * state.scale.astype(x.dtype)
-
-    return jax.tree_util.tree_map(leaf, tree)
+    return _apply_scale(state, tree, jnp.multiply)
 
 
 def unscale(state: ScalerState, tree: PyTree) -> PyTree:
@@ -258,16 +263,7 @@ def unscale(state: ScalerState, tree: PyTree) -> PyTree:
         >>> g["w"].dtype, float(g["w"][0])
         (dtype('float32'), 2.0)
     """
-    check_scaler_state(state)
-
-    def leaf(x):
-        if not casting.is_float_array(x):
-            return x
-        x = jnp.asarray(x)
-        x = x.astype(_wide_dtype(x))
-        return x if state.mode == "none" else x / state.scale.astype(x.dtype)
-
-    return jax.tree_util.tree_map(leaf, tree)
+    return _apply_scale(state, tree, jnp.divide)
 
 
 def check_finite_flag(finite: Any) -> jax.Array:
