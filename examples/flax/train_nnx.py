@@ -65,7 +65,8 @@ class CNN(nnx.Module):
         x = images
         for conv, norm in zip(self.convs, self.norms):
             x = conv(x)
-            # BatchNorm in float32 (its statistics are float32), output in the compute dtype.
+            # BatchNorm in float32, output in the compute dtype. Left alone, it would
+            # promote to the float32 of its statistics, and so would every later layer.
             x = jaxmp.force_full_precision(norm, return_dtype=x.dtype)(x)
             x = nnx.relu(x)
         x = jnp.mean(x, axis=(1, 2))
