@@ -25,13 +25,13 @@ def _batch(batch_size=4):
 def test_vit_shapes_and_float32_params():
     params = models.init_vit(jax.random.key(0), CONFIG)
     images, labels = _batch(4)
-    logits = models.vit_apply(params, images, CONFIG)
+    logits = jax.jit(models.vit_apply, static_argnums=2)(params, images, CONFIG)
     assert logits.shape == (4, CONFIG.num_classes)
     assert logits.dtype == jnp.float32
     assert {x.dtype for x in jax.tree_util.tree_leaves(params)} == {jnp.dtype(jnp.float32)}
     assert len(params["blocks"]) == CONFIG.depth
     assert params["pos"].shape == (1, CONFIG.num_patches + 1, CONFIG.width)
-    loss = models.vit_loss(params, images, labels, CONFIG)
+    loss = jax.jit(models.vit_loss, static_argnums=3)(params, images, labels, CONFIG)
     assert loss.shape == () and bool(jnp.isfinite(loss))
     # A freshly initialised classifier is close to uniform: loss near log(classes).
     assert abs(float(loss) - math.log(CONFIG.num_classes)) < 1.5
@@ -52,16 +52,17 @@ def test_vit_runs_in_half_precision_under_strict_promotion(dtype):
     params = models.init_vit(jax.random.key(0), CONFIG)
     images, labels = _batch(4)
     half_params = jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
-    with jax.numpy_dtype_promotion("strict"):
-        logits = models.vit_apply(half_params, images.astype(dtype), CONFIG)
-        loss, grads = jax.value_and_grad(models.vit_loss)(half_params, images.astype(dtype), labels, CONFIG)
+    with jax.numpy_dtype_promotion("strict"):  # jit traces here, so strict applies to every op
+        logits = jax.jit(models.vit_apply, static_argnums=2)(half_params, images.astype(dtype), CONFIG)
+        loss, grads = jax.jit(jax.value_and_grad(models.vit_loss), static_argnums=3)(
+            half_params, images.astype(dtype), labels, CONFIG
+        )
     assert logits.dtype == dtype and loss.dtype == dtype
     assert {g.dtype for g in jax.tree_util.tree_leaves(grads)} == {jnp.dtype(dtype)}
-    reference = models.vit_loss(params, images, labels, CONFIG)
+    reference = jax.jit(models.vit_loss, static_argnums=3)(params, images, labels, CONFIG)
     np.testing.assert_allclose(float(loss), float(reference), rtol=3e-2)
-    np.testing.assert_allclose(
-        np.asarray(logits, np.float32), np.asarray(models.vit_apply(params, images, CONFIG)), atol=0.1
-    )
+    reference_logits = jax.jit(models.vit_apply, static_argnums=2)(params, images, CONFIG)
+    np.testing.assert_allclose(np.asarray(logits, np.float32), np.asarray(reference_logits), atol=0.1)
 
 
 def test_hand_written_and_jaxmp_steps_give_the_same_gradients():
