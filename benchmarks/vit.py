@@ -642,7 +642,7 @@ def markdown_table(results: dict[str, Any], config_name: str, batch_sizes=None) 
             f"| {fmt(r.get('saved_bytes_ratio_vs_float32'), '.2f')} | {r['half_matmul_flop_share']:.3f} "
             f"| {fmt(r.get('xla_total_bytes') and r['xla_total_bytes'] / 2**20, '.1f')} "
             f"| {fmt(r.get('step_time_s'), '.3f')} | {fmt(r.get('epoch_time_s'), '.0f')} "
-            f"| {fmt(r.get('speedup_vs_float32'), '.2f')}x | {fmt(r.get('time_ratio_vs_hand_written'), '.3f')} "
+            f"| {fmt(r.get('speedup_vs_float32'), '.2f')}{'x' if r.get('speedup_vs_float32') else ''} | {fmt(r.get('time_ratio_vs_hand_written'), '.3f')} "
             f"| {r['hlo_ops']} | {fmt(r.get('grad_norm_ratio_vs_float32'), '.3f')} |"
         )
     return "\n".join(lines)
