@@ -23,21 +23,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from tqdm import tqdm
 
 import jaxmp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import digits  # noqa: E402  (the shared data helper in examples/)
+import training  # noqa: E402  (the shared training loop and summary)
 
 HALF = {"float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
@@ -134,22 +132,7 @@ def accuracy(model, ts: TrainState, split: digits.Split) -> float:
     logits, _ = jax.jit(model.apply, static_argnames="is_training")(
         ts.params, ts.state, split.images, is_training=False
     )
-    return float(np.mean(np.argmax(np.asarray(logits), axis=-1) == split.labels))
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    quick = digits.quick()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--precision", nargs="+", choices=("float32", "float16", "bfloat16"),
-                        default=["float16"], help="one or more, trained one after the other")
-    parser.add_argument("--steps", type=int, default=20 if quick else 1000)
-    parser.add_argument("--log-every", type=int, default=10 if quick else 50,
-                        help="steps between two updates of the loss shown by the progress bar")
-    parser.add_argument("--batch-size", type=int, default=32 if quick else 64)
-    parser.add_argument("--width", type=int, default=4 if quick else 32)
-    parser.add_argument("--learning-rate", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    return training.accuracy(logits, split.labels)
 
 
 def train_and_evaluate(args: argparse.Namespace, precision: str) -> dict[str, float]:
@@ -163,41 +146,16 @@ def train_and_evaluate(args: argparse.Namespace, precision: str) -> dict[str, fl
     ts = TrainState(params, state, optimizer.init(params), new_scaler(precision))
 
     batches = list(digits.batches(train, args.batch_size, args.steps, seed=args.seed))
-    start = time.perf_counter()
-    train_step = jax.jit(make_train_step(model, optimizer, precision))
-    train_step = train_step.lower(ts, batches[0]).compile()  # compiled once, timed apart
-    compile_time = time.perf_counter() - start
+    train_step = make_train_step(model, optimizer, precision)
+    ts, loss, seconds_per_step, compile_time = training.fit(
+        "haiku", precision, train_step, ts, batches, args.log_every)
 
-    start = time.perf_counter()
-    with tqdm(batches, desc=f"haiku {precision}", unit="step") as bar:
-        for i, batch in enumerate(bar):
-            ts, loss = train_step(ts, batch)
-            if (i + 1) % args.log_every == 0 or i + 1 == args.steps:
-                m = jax.device_get(jaxmp.scaler_metrics(ts.scaler))
-                bar.set_postfix(loss=f"{float(loss):.4f}", loss_scale=f"{m['loss_scale']:g}",
-                                skipped=int(m["skipped_steps"]))
-    jax.block_until_ready(ts)
-    seconds_per_step = (time.perf_counter() - start) / args.steps
-
-    result = {
-        "test_accuracy": accuracy(model, ts, test),
-        "final_loss": float(loss),
-        "ms_per_step": 1000 * seconds_per_step,
-        "skipped_steps": int(ts.scaler.skipped_steps),
-        "loss_scale": float(ts.scaler.scale),
-    }
-    print(f"\nprecision      {precision}")
-    print(f"test accuracy  {100 * result['test_accuracy']:.2f}%")
-    print(f"final loss     {result['final_loss']:.4f}")
-    print(f"time per step  {result['ms_per_step']:.2f} ms  "
-          f"(compile {compile_time:.1f} s, {args.steps} steps)")
-    print(f"skipped steps  {result['skipped_steps']}")
-    print(f"loss scale     {result['loss_scale']:g}")
-    return result
+    return training.summarize(precision, ts.scaler, accuracy(model, ts, test),
+                              loss, seconds_per_step, compile_time, args.steps)
 
 
 def main(argv=None) -> dict[str, dict[str, float]]:
-    args = parse_args(argv)
+    args = training.parse_args(__doc__, argv)
     return {precision: train_and_evaluate(args, precision) for precision in args.precision}
 
 
