@@ -349,6 +349,25 @@ def _eval_cond(eqn, invals, inkept, rules):
     return list(outs), kept
 
 
+def _primal_and_original(eqn, inkept, rules):
+    """For a custom_jvp/custom_vjp call: its body under autocast, and the call as written.
+
+    ``record["kept"]`` holds, once ``primal`` has run, which of its outputs are
+    kept in float32.
+    """
+    record = {}
+
+    def primal(*xs):
+        outs, kept = _eval_closed(eqn.params["call_jaxpr"], xs, inkept, rules)
+        record["kept"] = kept
+        return outs
+
+    def original(*xs):
+        return _bind(eqn, xs)
+
+    return primal, original, record
+
+
 def _eval_custom_jvp(eqn, invals, inkept, rules):
     """The primal runs under autocast; the derivative is the function's own rule.
 
@@ -357,16 +376,7 @@ def _eval_custom_jvp(eqn, invals, inkept, rules):
     dtypes of the autocast primal outputs.
     """
     in_avals = [v.aval for v in eqn.invars]
-    call_jaxpr = eqn.params["call_jaxpr"]
-    record = {}
-
-    def primal(*xs):
-        outs, kept = _eval_closed(call_jaxpr, xs, inkept, rules)
-        record["kept"] = kept
-        return outs
-
-    def original(*xs):
-        return _bind(eqn, xs)
+    primal, original, record = _primal_and_original(eqn, inkept, rules)
 
     fun = jax.custom_jvp(primal)
 
@@ -396,16 +406,7 @@ def _eval_custom_vjp(eqn, invals, inkept, rules):
     the residuals do not need is removed by dead-code elimination.
     """
     in_avals = [v.aval for v in eqn.invars]
-    call_jaxpr = eqn.params["call_jaxpr"]
-    record = {}
-
-    def primal(*xs):
-        outs, kept = _eval_closed(call_jaxpr, xs, inkept, rules)
-        record["kept"] = kept
-        return outs
-
-    def original(*xs):
-        return _bind(eqn, xs)
+    primal, original, record = _primal_and_original(eqn, inkept, rules)
 
     fun = jax.custom_vjp(primal)
 
