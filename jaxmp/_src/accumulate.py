@@ -158,21 +158,11 @@ def accumulate_value_and_grad(
     ):
         raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}.")
     k = int(num_microbatches)
-    compute_dtype = casting.canonical_float_dtype(
-        compute_dtype, allowed=casting.COMPUTE_DTYPES, what="compute_dtype"
-    )
     int_argnums = isinstance(argnums, int) and not isinstance(argnums, bool)
     nums = _as_tuple(argnums, "argnums")
     batch_nums = None if batch_argnums is None else _as_tuple(batch_argnums, "batch_argnums")
 
-    if autocast and use_mixed_precision:
-        from jaxmp._src import autocast as autocast_lib  # pylint: disable=g-import-not-at-top
-
-        call = autocast_lib.autocast(fn, compute_dtype=compute_dtype)
-        input_dtype = None
-    else:
-        call = fn
-        input_dtype = compute_dtype if use_mixed_precision else jnp.dtype(jnp.float32)
+    call, input_dtype = grad_lib.prepare_call(fn, compute_dtype, use_mixed_precision, autocast)
 
     def positions_of(numbers, n, name):
         out = []

@@ -101,6 +101,25 @@ def _split_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
     return out[0], out[1]
 
 
+def prepare_call(fn, compute_dtype, use_mixed_precision, autocast):
+    """Checks ``compute_dtype`` and returns ``(call, input_dtype)`` for a gradient step.
+
+    ``call`` is the function to differentiate; ``input_dtype`` is the dtype its
+    floating inputs are cast to, or ``None`` when ``autocast`` chooses the
+    precision of each operation itself.
+    """
+    compute_dtype = casting.canonical_float_dtype(
+        compute_dtype, allowed=casting.COMPUTE_DTYPES, what="compute_dtype"
+    )
+    if not use_mixed_precision:
+        return fn, jnp.dtype(jnp.float32)
+    if autocast:
+        from jaxmp._src import autocast as autocast_lib  # pylint: disable=g-import-not-at-top
+
+        return autocast_lib.autocast(fn, compute_dtype=compute_dtype), None
+    return fn, compute_dtype
+
+
 def finish_step(loss, aux, grads, state, *, axis_name, adjust_scale, single_argnum, has_aux):
     """The end of every jaxmp gradient step, once the gradients are unscaled.
 
@@ -186,22 +205,12 @@ def mp_value_and_grad(
         >>> float(loss), grads.dtype, bool(finite)
         (9.0, dtype('float32'), True)
     """
-    compute_dtype = casting.canonical_float_dtype(
-        compute_dtype, allowed=casting.COMPUTE_DTYPES, what="compute_dtype"
-    )
     int_argnums = isinstance(argnums, int)
     nums = (argnums,) if int_argnums else tuple(argnums)
     if not nums or not all(isinstance(i, int) for i in nums):
         raise TypeError(f"argnums must be an int or a non-empty sequence of ints, got {argnums!r}.")
 
-    if autocast and use_mixed_precision:
-        from jaxmp._src import autocast as autocast_lib  # pylint: disable=g-import-not-at-top
-
-        call = autocast_lib.autocast(fn, compute_dtype=compute_dtype)
-        input_dtype = None
-    else:
-        call = fn
-        input_dtype = compute_dtype if use_mixed_precision else jnp.dtype(jnp.float32)
+    call, input_dtype = prepare_call(fn, compute_dtype, use_mixed_precision, autocast)
 
     @wraps_adding_scaler_state(fn)
     def value_and_grad_fn(*args, scaler_state, **kwargs):
