@@ -456,10 +456,6 @@ def _recompute_policy(low: frozenset) -> Callable:
     return policy
 
 
-def _is_dynamic(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
 def autocast(
     fn: Callable,
     compute_dtype: Any = jnp.bfloat16,
@@ -509,8 +505,12 @@ def autocast(
     backward pass: they are recomputed there from the half-precision values
     around them (``jax.checkpoint`` with a policy that saves only
     half-precision values and matrix products). The recomputed work is
-    elementwise operations and reductions, never a matrix product, and it
-    halves the memory of the activations.
+    elementwise operations and reductions, never a matrix product. It shrinks
+    what is kept for the backward pass (3.8x less than float32 on the
+    benchmark ViT, against 2x for casting everything), but not the peak:
+    float32 softmax and normalisation temporaries still exist while they are
+    computed, and XLA's estimate of the whole step stays above that of casting
+    every input to half precision.
 
     Args:
         fn: any JAX function of arrays and pytrees of arrays; non-array
@@ -559,7 +559,7 @@ def autocast(
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        positions = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+        positions = [i for i, x in enumerate(leaves) if casting.is_array(x)]
 
         def flat_fn(*dyn):
             full = list(leaves)

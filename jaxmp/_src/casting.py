@@ -22,6 +22,11 @@ COMPUTE_DTYPES = HALF_DTYPES + (jnp.dtype(jnp.float32),)
 _SHORT_NAMES = {"f16": jnp.float16, "bf16": jnp.bfloat16, "f32": jnp.float32}
 
 
+def is_array(x: Any) -> bool:
+    """Whether ``x`` is a JAX or NumPy array (or NumPy scalar): a value to trace, not a constant."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
 def is_float_array(x: Any) -> bool:
     """Whether ``x`` is a JAX or NumPy array with a real floating-point dtype.
 
@@ -36,9 +41,7 @@ def is_float_array(x: Any) -> bool:
         >>> is_float_array(jax.random.key(0)), is_float_array(1.0)
         (False, False)
     """
-    if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        return False
-    return jnp.issubdtype(x.dtype, jnp.floating)
+    return is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def canonical_float_dtype(dtype: Any, *, allowed=None, what: str = "dtype") -> np.dtype:

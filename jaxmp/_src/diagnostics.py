@@ -34,7 +34,7 @@ _MLIR_DTYPES = {
 
 
 def _is_dynamic(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+    return casting.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
 def _split_static(tree: PyTree):
