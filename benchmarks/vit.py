@@ -50,7 +50,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import jaxmp
