@@ -27,6 +27,41 @@ def is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
+def is_float_dtype(dtype: Any) -> bool:
+    """Whether ``dtype`` is a real floating-point dtype (``False`` for PRNG key dtypes)."""
+    try:
+        return jnp.issubdtype(dtype, jnp.floating)
+    except TypeError:  # extended dtypes, e.g. typed PRNG keys
+        return False
+
+
+def wide_dtype(dtype: Any) -> np.dtype:
+    """A floating ``dtype`` raised to at least float32 (float64 stays float64)."""
+    dtype = np.dtype(dtype)
+    return dtype if dtype.itemsize >= 4 else np.dtype(np.float32)
+
+
+def partition(tree: PyTree, predicate: Callable[[Any], bool] | None = None) -> tuple[PyTree, PyTree]:
+    """Splits ``tree`` into the leaves that satisfy ``predicate`` and the rest.
+
+    Both results have the structure of ``tree``, with ``None`` where the other
+    holds the leaf; :func:`combine` puts them back together. The default
+    predicate is :func:`is_float_array`: the leaves that are differentiated,
+    cast or traced.
+    """
+    predicate = is_float_array if predicate is None else predicate
+    chosen = jax.tree_util.tree_map(lambda x: x if predicate(x) else None, tree)
+    rest = jax.tree_util.tree_map(lambda x: None if predicate(x) else x, tree)
+    return chosen, rest
+
+
+def combine(chosen: PyTree, rest: PyTree) -> PyTree:
+    """The inverse of :func:`partition`: takes each leaf from ``chosen`` unless it is ``None``."""
+    return jax.tree_util.tree_map(
+        lambda c, r: r if c is None else c, chosen, rest, is_leaf=lambda x: x is None
+    )
+
+
 def is_float_array(x: Any) -> bool:
     """Whether ``x`` is a JAX or NumPy array with a real floating-point dtype.
 
@@ -41,7 +76,7 @@ def is_float_array(x: Any) -> bool:
         >>> is_float_array(jax.random.key(0)), is_float_array(1.0)
         (False, False)
     """
-    return is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
+    return is_array(x) and is_float_dtype(x.dtype)
 
 
 def canonical_float_dtype(dtype: Any, *, allowed=None, what: str = "dtype") -> np.dtype:
