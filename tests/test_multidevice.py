@@ -1,5 +1,7 @@
 """Multi-device behaviour on several CPU devices (conftest.py asks for 4)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,3 +130,228 @@ def test_all_finite_with_axis_name(mesh):
     out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(
         jax.device_put(x, NamedSharding(mesh, P("data"))))
     assert np.asarray(out).tolist() == [False] * NUM
+
+
+# --- Tensor parallel, FSDP and 2-D meshes inside shard_map -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mesh2d():
+    if jax.device_count() < NUM:
+        pytest.skip(f"needs {NUM} devices")
+    return jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def _tp_loss(params, x, y):
+    """Megatron-style MLP: w1 split by columns, w2 by rows along "model", summed over "model"."""
+    h = jnp.tanh(x @ params["w1"])
+    pred = jax.lax.psum(h @ params["w2"], "model") + params["b"]
+    return jnp.mean((pred[:, 0] - y).astype(jnp.float32) ** 2)
+
+
+def _full_loss(params, x, y):
+    """The same model on one device, in float32: the reference."""
+    h = jnp.tanh(x @ params["w1"])
+    pred = h @ params["w2"] + params["b"]
+    return jnp.mean((pred[:, 0] - y) ** 2)
+
+
+def _tp_setup(n=16):
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(1), 4)
+    params = {"w1": jax.random.normal(k1, (8, 8)) / 3, "w2": jax.random.normal(k2, (8, 1)) / 3,
+              "b": jnp.full((1,), 0.1)}
+    return params, jax.random.normal(k3, (n, 8)), jax.random.normal(k4, (n,))
+
+
+TP_SPECS = {"w1": P(None, "model"), "w2": P("model", None), "b": P()}
+FSDP_SPECS = {"w1": P("data", None), "w2": P("data", None), "b": P()}
+
+
+def _fsdp_loss(params, x, y):
+    """FSDP: every weight sharded along "data" and gathered for the forward pass."""
+    w1 = jax.lax.all_gather(params["w1"], "data", tiled=True)
+    w2 = jax.lax.all_gather(params["w2"], "data", tiled=True)
+    pred = jnp.tanh(x @ w1) @ w2 + params["b"]
+    return jnp.mean((pred[:, 0] - y).astype(jnp.float32) ** 2)
+
+
+def _sharded_step(mesh, loss_fn, specs, params, x, y, scaler, accumulate=False, **options):
+    """One jaxmp step in shard_map; gradients come back with the parameters' specs."""
+    make = (lambda f, **o: jaxmp.accumulate_value_and_grad(f, 2, **o)) if accumulate else (
+        jaxmp.mp_value_and_grad)
+
+    def body(params, x, y, scaler):
+        return make(loss_fn, **options)(params, x, y, scaler_state=scaler)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P("data"), P("data"), P()),
+                       out_specs=(P(), specs, P(), P()))
+    params = jax.device_put(params, jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs))
+    return jax.jit(fn)(params, x, y, scaler)
+
+
+def _assert_close_to_reference(loss, grads, params, x, y):
+    ref_loss, ref_grads = jax.value_and_grad(_full_loss)(params, x, y)
+    np.testing.assert_allclose(loss, ref_loss, rtol=2e-2)
+    for k in params:
+        np.testing.assert_allclose(grads[k], ref_grads[k], rtol=5e-2, atol=5e-3, err_msg=k)
+
+
+@pytest.mark.parametrize("axis_name", ["data", ("data", "model")])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_shard_map_tensor_parallel_matches_float32_reference(mesh2d, axis_name, accumulate):
+    params, x, y = _tp_setup()
+    scaler = jaxmp.init_scaler(initial_scale=2.0**10)
+    loss, grads, new, finite = _sharded_step(mesh2d, _tp_loss, TP_SPECS, params, x, y, scaler,
+                                             accumulate=accumulate, axis_name=axis_name)
+    _assert_close_to_reference(loss, grads, params, x, y)
+    assert bool(finite) and float(new.scale) == 2.0**10
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_shard_map_fsdp_matches_float32_reference(mesh, accumulate):
+    params, x, y = _tp_setup()
+    scaler = jaxmp.init_scaler(initial_scale=2.0**10)
+    loss, grads, _, finite = _sharded_step(mesh, _fsdp_loss, FSDP_SPECS, params, x, y, scaler,
+                                           accumulate=accumulate, axis_name="data")
+    assert grads["w1"].sharding.spec == P("data")  # each device holds its shard's gradient
+    _assert_close_to_reference(loss, grads, params, x, y)
+    assert bool(finite)
+
+
+def test_shard_map_fsdp_on_two_dimensional_mesh(mesh2d):
+    """FSDP along "data" and tensor parallel along "model" at once."""
+    specs = {"w1": P("data", "model"), "w2": P(("data", "model"), None), "b": P()}
+
+    def loss_fn(params, x, y):
+        w1 = jax.lax.all_gather(params["w1"], "data", tiled=True)
+        w2 = jax.lax.all_gather(params["w2"], "data", tiled=True)
+        pred = jax.lax.psum(jnp.tanh(x @ w1) @ w2, "model") + params["b"]
+        return jnp.mean((pred[:, 0] - y).astype(jnp.float32) ** 2)
+
+    params, x, y = _tp_setup()
+    # w2 rows are split over "data" and "model": reorder so that model shard m, data shard d
+    # holds the rows of w1's columns in model shard m.
+    scaler = jaxmp.init_scaler(initial_scale=2.0**10)
+    w2 = params["w2"].reshape(2, 2, 2, 1).transpose(1, 0, 2, 3).reshape(8, 1)
+    loss, grads, _, finite = _sharded_step(mesh2d, loss_fn, specs, dict(params, w2=w2), x, y,
+                                           scaler, axis_name="data")
+    grads = dict(grads, w2=grads["w2"].reshape(2, 2, 2, 1).transpose(1, 0, 2, 3).reshape(8, 1))
+    _assert_close_to_reference(loss, grads, params, x, y)
+    assert bool(finite)
+
+
+def test_shard_map_overflow_in_one_model_shard_skips_on_every_device(mesh2d):
+    """Each model shard has its own loss term; only shard 1's gradient overflows float16."""
+
+    def loss_fn(params, x, y):
+        local = jnp.mean((x @ params["w1"]).astype(jnp.float32) ** 2)
+        del y
+        return jax.lax.psum(local, "model")
+
+    params, x, y = _tp_setup()
+    params["w1"] = params["w1"].at[:, 4:].multiply(1e3)  # model shard 1 only
+    scaler = jaxmp.init_scaler(initial_scale=2.0**15)
+
+    def body(params, x, y, scaler):
+        loss, grads, new, finite = jaxmp.mp_value_and_grad(loss_fn, axis_name="data")(
+            params, x, y, scaler_state=scaler)
+        alone = jaxmp.all_finite(grads)
+        add = lambda t: jax.tree_util.tree_map(lambda v: v[None], t)
+        return add(finite), add(new.scale), add(alone), add(jnp.all(jnp.isfinite(grads["w1"])))
+
+    every = P(("data", "model"))
+    fn = jax.shard_map(body, mesh=mesh2d, in_specs=(TP_SPECS, P("data"), P("data"), P()),
+                       out_specs=every)
+    finite, scale, alone, local = jax.jit(fn)(params, x, y, scaler)
+    assert np.asarray(local).tolist() == [True, False, True, False]  # the overflow is local
+    assert np.asarray(finite).tolist() == [False] * NUM
+    assert np.asarray(scale).tolist() == [2.0**14] * NUM
+    assert np.asarray(alone).tolist() == [False] * NUM
+
+
+def test_shard_map_opt_out_gives_per_device_gradients(mesh):
+    params, x, y = _setup()
+    scaler = jaxmp.init_scaler(initial_scale=2.0**10)
+
+    def body(params, x, y, scaler):
+        loss, grads, new, finite = jaxmp.mp_value_and_grad(_loss, axis_name=())(
+            params, x, y, scaler_state=scaler)
+        add = lambda t: jax.tree_util.tree_map(lambda v: v[None], t)
+        return add(loss), add(grads), new, finite
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data"), P("data"), P()),
+                       out_specs=(P("data"), P("data"), P(), P()))
+    loss, grads, new, finite = jax.jit(fn)(params, x, y, scaler)
+    xs, ys = x.reshape(NUM, -1, 5), y.reshape(NUM, -1)
+    for d in range(NUM):
+        ref_loss, ref_grads = jax.value_and_grad(_loss)(params, xs[d], ys[d])
+        np.testing.assert_allclose(loss[d], ref_loss, rtol=2e-2)
+        for k in params:
+            np.testing.assert_allclose(grads[k][d], ref_grads[k], rtol=5e-2, atol=5e-3)
+    assert bool(finite) and float(new.scale) == 2.0**10
+
+
+def test_shard_map_without_vma_checks_is_still_data_parallel(mesh):
+    params, x, y = _setup()
+    ref_loss, ref_grads = jax.value_and_grad(_loss)(params, x, y)
+    scaler = jaxmp.init_scaler(initial_scale=2.0**10)
+
+    def body(params, x, y, scaler):
+        return jaxmp.mp_value_and_grad(_loss, axis_name="data")(params, x, y, scaler_state=scaler)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data"), P("data"), P()),
+                       out_specs=P(), check_vma=False)
+    loss, grads, _, finite = jax.jit(fn)(params, x, y, scaler)
+    np.testing.assert_allclose(loss, ref_loss, rtol=2e-2)
+    for k in params:
+        np.testing.assert_allclose(grads[k], ref_grads[k], rtol=5e-2, atol=5e-3)
+    assert bool(finite)
+
+
+@pytest.mark.parametrize("make", [
+    lambda **o: jaxmp.mp_value_and_grad(_loss, **o),
+    lambda **o: jaxmp.accumulate_value_and_grad(_loss, 2, **o),
+])
+def test_shard_map_misuse_of_axis_name_raises_at_trace_time(mesh, make):
+    params, x, y = _setup()
+    scaler = jaxmp.init_scaler()
+
+    def run(**options):
+        def body(params, x, y, scaler):
+            return make(**options)(params, x, y, scaler_state=scaler)[0]
+
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data"), P("data"), P()),
+                           out_specs=P("data"))
+        return jax.jit(fn).trace(params, x, y, scaler)
+
+    with pytest.raises(ValueError, match=r"axis_name=None.*axis_name='data'.*axis_name=\(\)"):
+        run()
+    with pytest.raises(ValueError, match="'batch' is not bound here"):
+        run(axis_name="batch")
+    with pytest.raises(ValueError, match="'model' is not bound here"):
+        run(axis_name=("data", "model"))
+    # Outside shard_map an axis name is a mistake too; None changes nothing.
+    with pytest.raises(ValueError, match="outside shard_map.*leave it None"):
+        jax.jit(lambda *a: make(axis_name="data")(*a, scaler_state=scaler))(params, x, y)
+
+
+def test_reduce_dtype_is_validated_and_used(mesh):
+    with pytest.raises(ValueError, match="reduce_dtype"):
+        jaxmp.mp_value_and_grad(_loss, reduce_dtype=jnp.int32)
+    params, x, y = _setup()
+    scaler = jaxmp.init_scaler(initial_scale=2.0**10)
+
+    def all_reduce_types(reduce_dtype):
+        def body(params, x, y, scaler):
+            return jaxmp.mp_value_and_grad(_loss, axis_name="data", reduce_dtype=reduce_dtype)(
+                params, x, y, scaler_state=scaler)[1]
+
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data"), P("data"), P()),
+                           out_specs=P())
+        hlo = jax.jit(fn).lower(params, x, y, scaler).as_text(dialect="hlo")  # before XLA passes
+        # e.g. "%all-reduce = (f32[5,8]{1,0}, f32[8,1]{1,0}) all-reduce(...)"
+        lines = [line.split(" all-reduce(")[0] for line in hlo.splitlines() if " all-reduce(" in line]
+        return {t for line in lines for t in re.findall(r"(\w+)\[5,8\]", line)}
+
+    assert all_reduce_types(None) == {"f32"}
+    assert all_reduce_types(jnp.bfloat16) == {"bf16"}

@@ -41,6 +41,7 @@ import numpy as np
 from jaxmp._src import casting
 from jaxmp._src import grad as grad_lib
 from jaxmp._src import loss_scale
+from jaxmp._src import sharding
 
 PyTree = Any
 
@@ -86,6 +87,7 @@ def accumulate_value_and_grad(
     use_mixed_precision: bool = True,
     axis_name: Any = None,
     autocast: bool = False,
+    reduce_dtype: Any = None,
 ) -> Callable:
     """Like :func:`jaxmp.mp_value_and_grad`, accumulated over micro-batches.
 
@@ -125,9 +127,10 @@ def accumulate_value_and_grad(
             ``jnp.float32``.
         use_mixed_precision: ``False`` runs in float32 without scaling and
             returns ``scaler_state`` unchanged.
-        axis_name: inside ``shard_map``/``pmap``, the device axis name(s); the
-            loss and gradients are averaged over devices once per window.
+        axis_name: as in :func:`jaxmp.mp_value_and_grad`; the loss and
+            gradients are averaged over devices once per window.
         autocast: as in :func:`jaxmp.mp_value_and_grad`.
+        reduce_dtype: as in :func:`jaxmp.mp_value_and_grad`.
 
     Returns:
         A function returning ``(loss, grads, scaler_state, finite)``, or
@@ -163,6 +166,7 @@ def accumulate_value_and_grad(
     batch_nums = None if batch_argnums is None else _as_tuple(batch_argnums, "batch_argnums")
 
     call, input_dtype = grad_lib.prepare_call(fn, compute_dtype, use_mixed_precision, autocast)
+    reduce_dtype = sharding.check_reduce_dtype(reduce_dtype)
 
     def positions_of(numbers, n, name):
         out = []
@@ -226,8 +230,8 @@ def accumulate_value_and_grad(
                 full[pos] = jax.tree_util.tree_unflatten(treedef, merged)
             return full
 
-        if axis_name is not None:
-            diff = jax.tree_util.tree_map(lambda x: grad_lib._as_varying(x, axis_name), diff)  # pylint: disable=protected-access
+        axes = sharding.data_axes(axis_name)
+        diff, sharded = sharding.prepare(diff, axes)
 
         def scaled_loss_fn(diff, micro_leaves):
             full = rebuild_batch(micro_leaves)
@@ -253,9 +257,9 @@ def accumulate_value_and_grad(
             acc = jax.tree_util.tree_map(lambda a, g: a + g.astype(a.dtype), acc, grads)
             return acc, (loss, aux)
 
-        acc = jax.tree_util.tree_map(_wide_zeros, diff)
-        if axis_name is not None:
-            acc = jax.tree_util.tree_map(lambda x: grad_lib._as_varying(x, axis_name), acc)  # pylint: disable=protected-access
+        # The carry has each leaf's varying axes, so scan's carry types match.
+        acc = jax.tree_util.tree_map(
+            lambda x: sharding.as_varying(_wide_zeros(x), tuple(sharding.varying_axes(x))), diff)
         acc, (losses, aux) = jax.lax.scan(body, acc, micro)
 
         inv_k = 1.0 / k
@@ -265,7 +269,8 @@ def accumulate_value_and_grad(
         grads = jax.tree_util.tree_map(
             lambda a, p: (a * jnp.asarray(inv_k, a.dtype)).astype(p.dtype), acc, diff
         )
-        return grad_lib.finish_step(jnp.mean(losses), aux, grads, state, axis_name=axis_name,
+        return grad_lib.finish_step(jnp.mean(losses), aux, grads, state, axes=axes,
+                                    sharded=sharded, reduce_dtype=reduce_dtype,
                                     adjust_scale=use_mixed_precision, single_argnum=int_argnums,
                                     has_aux=has_aux)
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jaxmp._src import casting
 from jaxmp._src import loss_scale
+from jaxmp._src import sharding
 
 PyTree = Any
 
@@ -42,30 +43,6 @@ def _combine(floats: PyTree, others: PyTree) -> PyTree:
     return jax.tree_util.tree_map(
         lambda f, o: o if f is None else f, floats, others, is_leaf=lambda x: x is None
     )
-
-
-def _as_varying(x: jax.Array, axis_name: Any) -> jax.Array:
-    """Marks ``x`` as varying over ``axis_name`` inside ``shard_map``.
-
-    Differentiating a per-device loss with respect to replicated parameters
-    otherwise makes autodiff sum the gradients over devices by itself (JAX's
-    varying-manual-axes typing); made varying, each device gets its own
-    gradient and jaxmp averages them explicitly, the same way with or without
-    ``check_vma`` and under ``pmap``.
-    """
-    names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
-    try:
-        varying = jax.typeof(x).manual_axis_type.varying
-    except AttributeError:  # older JAX, or outside shard_map
-        varying = frozenset()
-    missing = tuple(n for n in names if n not in varying)
-    if not missing:
-        return x
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(x, missing, to="varying")
-    if hasattr(jax.lax, "pvary"):  # JAX 0.6 - 0.8
-        return jax.lax.pvary(x, missing)
-    return x
 
 
 def _check_loss(loss: Any) -> jax.Array:
@@ -120,17 +97,17 @@ def prepare_call(fn, compute_dtype, use_mixed_precision, autocast):
     return fn, compute_dtype
 
 
-def finish_step(loss, aux, grads, state, *, axis_name, adjust_scale, single_argnum, has_aux):
+def finish_step(loss, aux, grads, state, *, axes, sharded, reduce_dtype, adjust_scale,
+                single_argnum, has_aux):
     """The end of every jaxmp gradient step, once the gradients are unscaled.
 
-    Averages loss and gradients over ``axis_name``, checks finiteness (the same
-    answer on every device), adjusts the scaler, and packs the results as
+    Averages loss and gradients over the data ``axes`` (see
+    :func:`sharding.mean_over_devices`), checks finiteness (the same answer on
+    every device of the mesh), adjusts the scaler, and packs the results as
     ``mp_value_and_grad`` returns them.
     """
-    if axis_name is not None:
-        loss = jax.lax.pmean(loss, axis_name)
-        grads = jax.lax.pmean(grads, axis_name)
-    finite = loss_scale.all_finite(grads, axis_name)
+    loss, grads = sharding.mean_over_devices(loss, grads, sharded, axes, reduce_dtype)
+    finite = sharding.verdict(loss_scale.all_finite(grads), axes)
     if adjust_scale:
         state = loss_scale.adjust(state, finite)
     grads = grads[0] if single_argnum else grads
@@ -147,6 +124,7 @@ def mp_value_and_grad(
     use_mixed_precision: bool = True,
     axis_name: Any = None,
     autocast: bool = False,
+    reduce_dtype: Any = None,
 ) -> Callable:
     """Like ``jax.value_and_grad``, in mixed precision with loss scaling.
 
@@ -181,12 +159,21 @@ def mp_value_and_grad(
         compute_dtype: ``jnp.float16`` (default), ``jnp.bfloat16`` or
             ``jnp.float32``.
         use_mixed_precision: ``False`` runs in float32 without scaling.
-        axis_name: inside ``shard_map``/``pmap``, the device axis name(s). The
-            loss and the gradients are then those of the mean of the
-            per-device losses, and ``finite`` and the new scaler state are the
-            same on every device.
+        axis_name: inside ``shard_map``/``pmap``, the data-parallel axis
+            name(s): those the batch is split over. The loss and the gradients
+            are then those of the mean of the per-device losses, for
+            parameters replicated over these axes and for parameters sharded
+            over them and gathered in the forward pass (FSDP); each device gets
+            its shard's gradient. Required inside ``shard_map`` (``None``
+            raises); ``()`` gives per-device gradients. Leave it ``None``
+            under ``jit`` with ``NamedSharding``. Whatever it lists,
+            ``finite`` and the new scaler state are the same on every device
+            of the mesh.
         autocast: instead of casting all inputs, apply :func:`jaxmp.autocast`
             to ``fn`` (per-operation precision).
+        reduce_dtype: the dtype in which jaxmp sums unscaled gradients over
+            ``axis_name``; ``None`` (default) means float32 (float64 for
+            float64 leaves). ``jnp.bfloat16`` halves the traffic.
 
     Returns:
         A function returning ``(loss, grads, scaler_state, finite)``, or
@@ -211,6 +198,7 @@ def mp_value_and_grad(
         raise TypeError(f"argnums must be an int or a non-empty sequence of ints, got {argnums!r}.")
 
     call, input_dtype = prepare_call(fn, compute_dtype, use_mixed_precision, autocast)
+    reduce_dtype = sharding.check_reduce_dtype(reduce_dtype)
 
     @wraps_adding_scaler_state(fn)
     def value_and_grad_fn(*args, scaler_state, **kwargs):
@@ -230,8 +218,8 @@ def mp_value_and_grad(
                 f"No floating-point array leaves to differentiate in the argument(s) "
                 f"argnums={argnums!r}. Gradients are taken with respect to float arrays only."
             )
-        if axis_name is not None:
-            diff = jax.tree_util.tree_map(lambda x: _as_varying(x, axis_name), diff)
+        axes = sharding.data_axes(axis_name)
+        diff, sharded = sharding.prepare(diff, axes)
 
         def scaled_loss_fn(diff):
             full = list(args)
@@ -256,8 +244,8 @@ def mp_value_and_grad(
             grads = jax.tree_util.tree_map(
                 lambda g, p: loss_scale.unscale(state, g).astype(p.dtype), grads, diff
             )
-        return finish_step(loss, aux, grads, state, axis_name=axis_name,
-                           adjust_scale=use_mixed_precision, single_argnum=int_argnums,
+        return finish_step(loss, aux, grads, state, axes=axes, sharded=sharded,
+                           reduce_dtype=reduce_dtype, adjust_scale=use_mixed_precision, single_argnum=int_argnums,
                            has_aux=has_aux)
 
     return value_and_grad_fn

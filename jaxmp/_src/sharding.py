@@ -1,0 +1,245 @@
+"""Device axes for mixed-precision steps: which axes to average over, and how.
+
+A gradient step inside ``jax.shard_map`` (or ``pmap``) runs once per device.
+This module decides, at trace time, what jaxmp does about the other devices:
+
+* :func:`data_axes` checks ``axis_name`` against the axes bound where the step
+  is traced, and refuses the silent mistakes (a forgotten ``axis_name`` inside
+  ``shard_map``, an axis that is not bound).
+* :func:`prepare` marks the differentiated leaves as varying over the data
+  axes, so autodiff returns each device's own gradient instead of summing
+  replicated gradients by itself in the compute dtype.
+* :func:`mean_over_devices` turns those per-device results into the loss and
+  gradients of the mean of the per-device losses, in a chosen reduction dtype
+  (float32 by default). Leaves sharded over a data axis and gathered in the
+  forward pass (FSDP) already hold autodiff's sum over devices: they are only
+  divided, never averaged with other devices' shards.
+* :func:`verdict` makes one finiteness flag for every device of the mesh, over
+  every manual axis, whatever ``axis_name`` lists, so the scaler state stays
+  replicated.
+
+Which leaves are sharded is read from JAX's varying-manual-axes types (the
+default ``check_vma=True`` of ``shard_map``). Without them (``check_vma=False``,
+``pmap``, ``vmap`` axes) every leaf is taken as replicated over the data axes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp._src import casting
+
+PyTree = Any
+
+
+def manual_axes() -> tuple[str, ...]:
+    """The manual mesh axes where this is traced: inside ``shard_map``/``pmap``, else ``()``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    return tuple(mesh.manual_axes)
+
+
+def _names(axis_name: Any) -> tuple[Any, ...]:
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def check_bound(axis_name: Any, what: str = "axis_name") -> tuple[Any, ...]:
+    """Returns ``axis_name`` as a tuple of names, raising if one is not bound here.
+
+    A name is bound inside ``shard_map`` (a manual axis of its mesh), ``pmap``
+    or ``vmap`` with that ``axis_name``.
+    """
+    names = _names(axis_name)
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = manual_axes()
+    for name in names:
+        if not mesh.empty and name in mesh.axis_names and name not in manual:
+            raise ValueError(
+                f"{what}={axis_name!r}: mesh axis {name!r} is not a manual axis of the "
+                f"shard_map this is traced in (manual axes: {manual}). Collectives only run "
+                "over manual axes: add it to shard_map's axis_names, or leave it out of "
+                f"{what} (XLA partitions automatic axes by itself)."
+            )
+        try:
+            jax.lax.axis_size(name)
+        except NameError:
+            where = (f"inside a shard_map over the manual axes {manual}" if manual
+                     else "outside shard_map, pmap and vmap")
+            hint = (f"pass some of {manual}" if manual else
+                    "under jit with NamedSharding, leave it None: XLA inserts the "
+                    "reductions itself")
+            raise ValueError(
+                f"{what}={axis_name!r}: axis {name!r} is not bound here ({where}); {hint}."
+            ) from None
+    return names
+
+
+def data_axes(axis_name: Any, what: str = "axis_name") -> tuple[Any, ...] | None:
+    """Validates ``axis_name`` for a gradient step and returns the data axes.
+
+    Args:
+        axis_name: the data-parallel axis name(s) a user passed, ``()`` to opt
+            out of averaging, or ``None``.
+        what: the argument's name in error messages.
+
+    Returns:
+        ``None`` outside ``shard_map``/``pmap`` with ``axis_name=None`` (nothing
+        to do); otherwise the tuple of data axes (possibly empty).
+
+    Raises:
+        ValueError: inside ``shard_map`` with ``axis_name=None`` (the gradients
+            would silently be per device, or summed by autodiff), or for an
+            axis that is not bound.
+    """
+    if axis_name is None:
+        manual = manual_axes()
+        if manual:
+            raise ValueError(
+                f"This gradient step is traced inside shard_map (or pmap) over the manual "
+                f"axes {manual} but {what}=None. Pass the data-parallel axes, those the "
+                f"batch is split over, e.g. {what}={manual[0]!r}: the loss and gradients are "
+                f"then those of the mean of the per-device losses. Pass {what}=() for "
+                "per-device gradients (finite and the scaler still agree on every device)."
+            )
+        return None
+    return check_bound(axis_name, what)
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The manual axes over which ``x`` is typed as varying (empty outside ``shard_map``)."""
+    try:
+        return frozenset(jax.typeof(x).manual_axis_type.varying)
+    except AttributeError:
+        return frozenset()
+
+
+def tracks_varying(axes: tuple[Any, ...]) -> bool:
+    """Whether varying-manual-axes types are tracked for ``axes`` (``check_vma=True``).
+
+    Needs every axis to be a manual mesh axis; ``pmap``, ``vmap`` and
+    ``shard_map(..., check_vma=False)`` do not track them.
+    """
+    manual = manual_axes()
+    if not axes or not all(a in manual for a in axes):
+        return False
+    probe = jax.lax.pcast(jnp.zeros((), jnp.float32), tuple(axes), to="varying")
+    return set(axes) <= varying_axes(probe)
+
+
+def as_varying(tree: PyTree, axes: tuple[Any, ...]) -> PyTree:
+    """Marks every array leaf of ``tree`` as varying over ``axes`` (no data moves)."""
+    manual = manual_axes()
+    axes = tuple(a for a in axes if a in manual)
+    if not axes:
+        return tree
+
+    def cast(x):
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree_util.tree_map(cast, tree)
+
+
+def prepare(diff: PyTree, axes: tuple[Any, ...] | None) -> tuple[PyTree, PyTree]:
+    """Prepares the differentiated leaves of a step traced with data ``axes``.
+
+    Returns ``(diff, sharded)``: ``diff`` marked varying over ``axes``, so that
+    each device gets its own gradient; ``sharded`` mirrors ``diff`` with, for
+    each leaf, the data axes it was already varying over (sharded over them,
+    as FSDP parameters are), to hand to :func:`mean_over_devices`.
+    """
+    if axes is None:
+        return diff, jax.tree_util.tree_map(lambda x: frozenset(), diff)
+    if not axes:  # opted out: each device's own gradient, nothing summed by autodiff
+        return as_varying(diff, manual_axes()), jax.tree_util.tree_map(lambda x: frozenset(), diff)
+    sharded = jax.tree_util.tree_map(lambda x: varying_axes(x) & set(axes), diff)
+    return as_varying(diff, axes), sharded
+
+
+def _size(axes) -> int:
+    return math.prod(jax.lax.axis_size(a) for a in axes)
+
+
+def mean_over_devices(
+    loss: jax.Array,
+    grads: PyTree,
+    sharded: PyTree,
+    axes: tuple[Any, ...] | None,
+    reduce_dtype: Any = None,
+) -> tuple[jax.Array, PyTree]:
+    """The loss and gradients of the mean of the per-device losses over ``axes``.
+
+    ``grads`` are the unscaled gradients of the per-device ``loss`` with
+    respect to leaves prepared by :func:`prepare`. A leaf replicated over a
+    data axis has one gradient per device there: they are summed. A leaf
+    sharded over it already holds autodiff's sum over the devices of the
+    gradients of its shard: it is kept, so shards are never mixed. Both are
+    divided by the number of devices whose losses differ (those over which
+    ``loss`` is varying, all of ``axes`` when varying types are not tracked).
+
+    Args:
+        loss: this device's float32 loss.
+        grads: the unscaled gradients (``None`` leaves are left alone).
+        sharded: from :func:`prepare`.
+        axes: the data axes from :func:`data_axes`; ``None`` or ``()`` does nothing.
+        reduce_dtype: the dtype of the sums over devices; ``None`` means the
+            gradient's dtype raised to at least float32. Results come back in
+            each gradient's dtype.
+
+    Returns:
+        ``(loss, grads)``.
+    """
+    if not axes:
+        return loss, grads
+    if tracks_varying(axes):
+        loss_axes = tuple(a for a in axes if a in varying_axes(loss))
+    else:  # no types to read: every leaf replicated, every loss different
+        loss_axes = tuple(axes)
+        sharded = jax.tree_util.tree_map(lambda s: frozenset(), sharded)
+    if loss_axes:
+        loss = jax.lax.pmean(loss, loss_axes)
+    count = _size(loss_axes)
+
+    leaves, treedef = jax.tree_util.tree_flatten(grads)
+    flags = treedef.flatten_up_to(sharded)
+    groups: dict[tuple, list[int]] = {}
+    for i, (g, done) in enumerate(zip(leaves, flags)):
+        groups.setdefault(tuple(a for a in axes if a not in done), []).append(i)
+    out = list(leaves)
+    for sum_axes, idx in groups.items():
+        wide = [leaves[i].astype(reduce_dtype or casting.wide_dtype(leaves[i].dtype)) for i in idx]
+        if sum_axes:
+            wide = jax.lax.psum(wide, sum_axes)  # one all-reduce for the whole group
+        for i, w in zip(idx, wide):
+            if count != 1:
+                w = w / jnp.asarray(count, w.dtype)
+            out[i] = w.astype(leaves[i].dtype)
+    return loss, jax.tree_util.tree_unflatten(treedef, out)
+
+
+def verdict(finite: jax.Array, axes: tuple[Any, ...] | None = None) -> jax.Array:
+    """One finiteness flag for every device: the minimum over every manual axis and ``axes``.
+
+    The flag is then typed as invariant over the mesh, so the scaler state
+    adjusted with it stays replicated (``out_specs=P()`` works).
+    """
+    over = tuple(dict.fromkeys(manual_axes() + tuple(axes or ())))
+    if not over:
+        return finite
+    flag = as_varying(finite.astype(jnp.int32), over)
+    return jax.lax.pmin(flag, over).astype(jnp.bool_)
+
+
+def check_reduce_dtype(reduce_dtype: Any) -> np.dtype | None:
+    """``None`` (float32 or wider, per leaf) or a floating dtype for gradient reductions."""
+    if reduce_dtype is None:
+        return None
+    return casting.canonical_float_dtype(
+        reduce_dtype, allowed=casting.COMPUTE_DTYPES, what="reduce_dtype"
+    )
