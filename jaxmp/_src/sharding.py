@@ -26,7 +26,7 @@ default ``check_vma=True`` of ``shard_map``). Without them (``check_vma=False``,
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -146,20 +146,35 @@ def as_varying(tree: PyTree, axes: tuple[Any, ...]) -> PyTree:
     return jax.tree_util.tree_map(cast, tree)
 
 
-def prepare(diff: PyTree, axes: tuple[Any, ...] | None) -> tuple[PyTree, PyTree]:
-    """Prepares the differentiated leaves of a step traced with data ``axes``.
+class Plan(NamedTuple):
+    """What :func:`prepare` learnt about a step's devices, for :func:`mean_over_devices`.
 
-    Returns ``(diff, sharded)``: ``diff`` marked varying over ``axes``, so that
-    each device gets its own gradient; ``sharded`` mirrors ``diff`` with, for
-    each leaf, the data axes it was already varying over (sharded over them,
-    as FSDP parameters are), to hand to :func:`mean_over_devices`.
+    Attributes:
+        axes: the data axes from :func:`data_axes` (``None`` outside ``shard_map``).
+        sharded: mirrors the differentiated leaves; for each, the data axes it
+            was already varying over (sharded over them, as FSDP parameters
+            are).
     """
+
+    axes: tuple[Any, ...] | None
+    sharded: PyTree
+
+
+def prepare(diff: PyTree, axis_name: Any) -> tuple[PyTree, Plan]:
+    """Validates ``axis_name`` and prepares the differentiated leaves of a step.
+
+    Returns ``(diff, plan)``: ``diff`` marked varying over the data axes, so
+    that each device gets its own gradient (over every manual axis for
+    ``axis_name=()``), and the :class:`Plan` for :func:`mean_over_devices`.
+    """
+    axes = data_axes(axis_name)
+    nothing = jax.tree_util.tree_map(lambda x: frozenset(), diff)
     if axes is None:
-        return diff, jax.tree_util.tree_map(lambda x: frozenset(), diff)
+        return diff, Plan(None, nothing)
     if not axes:  # opted out: each device's own gradient, nothing summed by autodiff
-        return as_varying(diff, manual_axes()), jax.tree_util.tree_map(lambda x: frozenset(), diff)
+        return as_varying(diff, manual_axes()), Plan((), nothing)
     sharded = jax.tree_util.tree_map(lambda x: varying_axes(x) & set(axes), diff)
-    return as_varying(diff, axes), sharded
+    return as_varying(diff, axes), Plan(axes, sharded)
 
 
 def _size(axes) -> int:
@@ -167,11 +182,7 @@ def _size(axes) -> int:
 
 
 def mean_over_devices(
-    loss: jax.Array,
-    grads: PyTree,
-    sharded: PyTree,
-    axes: tuple[Any, ...] | None,
-    reduce_dtype: Any = None,
+    loss: jax.Array, grads: PyTree, plan: Plan, reduce_dtype: Any = None
 ) -> tuple[jax.Array, PyTree]:
     """The loss and gradients of the mean of the per-device losses over ``axes``.
 
@@ -186,8 +197,7 @@ def mean_over_devices(
     Args:
         loss: this device's float32 loss.
         grads: the unscaled gradients (``None`` leaves are left alone).
-        sharded: from :func:`prepare`.
-        axes: the data axes from :func:`data_axes`; ``None`` or ``()`` does nothing.
+        plan: from :func:`prepare`; no data axes (``None`` or ``()``) does nothing.
         reduce_dtype: the dtype of the sums over devices; ``None`` means the
             gradient's dtype raised to at least float32. Results come back in
             each gradient's dtype.
@@ -195,6 +205,7 @@ def mean_over_devices(
     Returns:
         ``(loss, grads)``.
     """
+    axes, sharded = plan
     if not axes:
         return loss, grads
     if tracks_varying(axes):
