@@ -153,7 +153,7 @@ def _full_loss(params, x, y):
     """The same model on one device, in float32: the reference."""
     h = jnp.tanh(x @ params["w1"])
     pred = h @ params["w2"] + params["b"]
-    return jnp.mean((pred[:, 0] - y) ** 2)
+    return jnp.mean((pred[:, 0] - y).astype(jnp.float32) ** 2)
 
 
 def _tp_setup(n=16):
@@ -355,3 +355,73 @@ def test_reduce_dtype_is_validated_and_used(mesh):
 
     assert all_reduce_types(None) == {"f32"}
     assert all_reduce_types(jnp.bfloat16) == {"bf16"}
+
+
+# --- jit with NamedSharding: XLA partitions, jaxmp is called as on one device -------------------
+
+JIT_LAYOUTS = {
+    # name: (mesh axes, parameter specs, batch spec)
+    "data_parallel": ((NUM,), ("data",), {"w1": P(), "w2": P(), "b": P()}, P("data")),
+    "fsdp": ((NUM,), ("data",), {"w1": P("data", None), "w2": P("data", None), "b": P()},
+             P("data")),
+    "two_d": ((2, 2), ("data", "model"), TP_SPECS, P("data")),
+}
+
+
+def _jit_layout(name):
+    if jax.device_count() < NUM:
+        pytest.skip(f"needs {NUM} devices")
+    shape, axes, specs, batch = JIT_LAYOUTS[name]
+    mesh = jax.make_mesh(shape, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+    put = lambda tree, spec: jax.device_put(
+        tree, jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), spec))
+    return mesh, lambda params: put(params, specs), lambda arr: put(arr, batch)
+
+
+def _masked_loss(params, x, y, mask):
+    """The float32-reference model plus sum(w1 * mask): mask picks gradient elements to inflate."""
+    return _full_loss(params, x, y) + jnp.sum(params["w1"] * mask).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("layout", sorted(JIT_LAYOUTS))
+def test_jit_named_sharding_matches_float32_reference(layout):
+    _, put_params, put_batch = _jit_layout(layout)
+    params, x, y = _tp_setup()
+    mask = jnp.zeros((8, 8))
+    scaler = jaxmp.init_scaler(initial_scale=2.0**10)
+    step = jax.jit(lambda p, x, y, s: jaxmp.mp_value_and_grad(_masked_loss)(
+        p, x, y, mask, scaler_state=s))
+    loss, grads, _, finite = step(put_params(params), put_batch(x), put_batch(y), scaler)
+    _assert_close_to_reference(loss, grads, params, x, y)
+    assert bool(finite)
+
+
+@pytest.mark.parametrize("layout", sorted(JIT_LAYOUTS))
+def test_jit_named_sharding_single_element_overflow_skips_bit_for_bit(layout):
+    """One float16 gradient element of w1, in one shard, overflows: the whole step is skipped."""
+    _, put_params, put_batch = _jit_layout(layout)
+    params, x, y = _tp_setup()
+    # 100 * scale 1024 > 65504: element (6, 5) of w1's float16 gradient overflows. It lives in
+    # data shard 3 (FSDP rows) and model shard 1 (two_d columns).
+    mask = jnp.zeros((8, 8)).at[6, 5].set(100.0)
+    opt = optax.adam(1e-2)
+    scaler = jaxmp.init_scaler(initial_scale=2.0**10)
+
+    @jax.jit
+    def train_step(params, opt_state, scaler, x, y):
+        loss, grads, scaler, finite = jaxmp.mp_value_and_grad(_masked_loss)(
+            params, x, y, mask, scaler_state=scaler)
+        params, opt_state = jaxmp.optimizer_update(params, opt, opt_state, grads, finite)
+        return params, opt_state, scaler, finite, grads
+
+    params = put_params(params)
+    opt_state = opt.init(params)
+    new_params, new_opt_state, new_scaler, finite, grads = train_step(
+        params, opt_state, scaler, put_batch(x), put_batch(y))
+    bad = ~np.isfinite(np.asarray(grads["w1"]))
+    assert bad.sum() == 1 and bad[6, 5]  # a single element overflowed...
+    assert not bool(finite)  # ...and the step is skipped everywhere
+    for old, new in zip(jax.tree_util.tree_leaves((params, opt_state)),
+                        jax.tree_util.tree_leaves((new_params, new_opt_state))):
+        assert np.asarray(old).tobytes() == np.asarray(new).tobytes()
+    assert float(new_scaler.scale) == 2.0**9 and int(new_scaler.skipped_steps) == 1
