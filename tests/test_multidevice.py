@@ -425,3 +425,83 @@ def test_jit_named_sharding_single_element_overflow_skips_bit_for_bit(layout):
                         jax.tree_util.tree_leaves((new_params, new_opt_state))):
         assert np.asarray(old).tobytes() == np.asarray(new).tobytes()
     assert float(new_scaler.scale) == 2.0**9 and int(new_scaler.skipped_steps) == 1
+
+
+# --- reduce_dtype where XLA or autodiff reduces ---------------------------------------------------
+
+
+def _collective_types(hlo, op, shape):
+    """Element types of the ``op`` collectives (e.g. "all-reduce") with a result of ``shape``."""
+    heads = [line.split(f" {op}(")[0] for line in hlo.splitlines() if f" {op}(" in line]
+    return {t for head in heads for t in re.findall(r"(\w+)\[" + shape + r"\]", head)}
+
+
+def test_jit_reduce_dtype_moves_xla_all_reduce_to_float32():
+    _, put_params, put_batch = _jit_layout("data_parallel")
+    params, x, y = _tp_setup()
+    scaler = jaxmp.init_scaler(initial_scale=2.0**10)
+    args = (put_params(params), put_batch(x), put_batch(y), scaler)
+
+    def compiled(reduce_dtype):
+        fn = jaxmp.mp_value_and_grad(_full_loss, reduce_dtype=reduce_dtype)
+        step = jax.jit(lambda p, x, y, s: fn(p, x, y, scaler_state=s))
+        return step(*args), step.lower(*args).compile().as_text()
+
+    (_, _, _, _), before = compiled(None)
+    (loss, grads, _, finite), after = compiled(jnp.float32)
+    # XLA sums w1's gradient over devices on the matrix product's output: float16 by default.
+    assert _collective_types(before, "all-reduce", "8,8") == {"f16"}
+    assert _collective_types(after, "all-reduce", "8,8") == {"f32"}
+    _assert_close_to_reference(loss, grads, params, x, y)
+    assert bool(finite)
+
+
+def test_shard_map_fsdp_reduce_dtype_moves_reduce_scatter_to_float32(mesh):
+    params, x, y = _tp_setup()
+    scaler = jaxmp.init_scaler(initial_scale=2.0**10)
+    out = {}
+    for rd in (None, jnp.float32):
+        loss, grads, _, finite = _sharded_step(mesh, _fsdp_loss, FSDP_SPECS, params, x, y, scaler,
+                                               axis_name="data", reduce_dtype=rd)
+        _assert_close_to_reference(loss, grads, params, x, y)
+        assert bool(finite)
+
+        def body(p, x, y, s, rd=rd):
+            return jaxmp.mp_value_and_grad(_fsdp_loss, axis_name="data", reduce_dtype=rd)(
+                p, x, y, scaler_state=s)[1]
+
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(FSDP_SPECS, P("data"), P("data"), P()),
+                           out_specs=FSDP_SPECS)
+        out[rd] = jax.jit(fn).lower(params, x, y, scaler).as_text(dialect="hlo")
+    assert _collective_types(out[None], "reduce-scatter", "2,8") == {"f16"}
+    assert _collective_types(out[jnp.float32], "reduce-scatter", "2,8") == {"f32"}
+
+
+@pytest.mark.parametrize("spec", ["ij,jk->ik", "bij,bjk->bik", "ji,jk->ki", "bji,kjb->bki"])
+def test_widened_products_have_the_same_gradients(spec):
+    """The rewritten matrix products (float32 gradient outputs) match JAX's own gradients."""
+    from jaxmp._src import sharding  # pylint: disable=g-import-not-at-top
+
+    shapes = {"ij,jk->ik": ((4, 3), (3, 5)), "bij,bjk->bik": ((2, 4, 3), (2, 3, 5)),
+              "ji,jk->ki": ((3, 4), (3, 5)), "bji,kjb->bki": ((2, 3, 4), (5, 3, 2))}[spec]
+    k1, k2 = jax.random.split(jax.random.key(3))
+    a = jax.random.normal(k1, shapes[0]).astype(jnp.float16)
+    b = jax.random.normal(k2, shapes[1]).astype(jnp.float16)
+
+    def loss(a, b):
+        out = jnp.einsum(spec, a, b)
+
+        def body(c, w):  # a product inside a scan body is rewritten too
+            return jnp.tanh(c * w), None
+
+        out, _ = jax.lax.scan(body, out, jnp.ones((2,) + out.shape, out.dtype))
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    wide = sharding.widen_gradient_products(loss, jnp.float32)
+    assert "preferred_element_type=float32" in str(jax.make_jaxpr(jax.grad(wide, (0, 1)))(a, b))
+    got = jax.value_and_grad(wide, (0, 1))(a, b)
+    want = jax.value_and_grad(loss, (0, 1))(a, b)
+    assert got[0] == want[0]  # the forward pass is untouched
+    for g, w in zip(got[1], want[1]):
+        assert g.dtype == w.dtype == jnp.float16 and g.shape == w.shape
+        np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32), rtol=1e-2, atol=1e-2)

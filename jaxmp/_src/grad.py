@@ -70,9 +70,15 @@ def mp_value_and_grad(
             scaler state are the same on every device of the mesh.
         autocast: instead of casting all inputs, apply :func:`jaxmp.autocast`
             to ``fn`` (per-operation precision).
-        reduce_dtype: the dtype in which jaxmp sums the unscaled gradients
-            over ``axis_name``; ``None`` (default) means float32 (float64 for
-            float64 leaves). ``jnp.bfloat16`` halves that traffic.
+        reduce_dtype: the dtype of gradient sums over devices. ``None``
+            (default): jaxmp's own sums over ``axis_name`` (unscaled
+            gradients) run in float32 (float64 for float64 leaves), and the
+            sums that XLA inserts under ``jit`` or autodiff inserts for an
+            ``all_gather`` (FSDP) stay in the compute dtype, on scaled values.
+            ``jnp.float32``: all of them in float32 (matrix products then give
+            their gradients in float32 before the cast back; twice the
+            traffic of float16). ``jnp.bfloat16``/``jnp.float16``: jaxmp's
+            own sums in that dtype too, halving their traffic.
 
     Returns:
         A function returning ``(loss, grads, scaler_state, finite)``, or

@@ -203,10 +203,13 @@ class Step:
                 "uncast. Remove it from one of them."
             )
         call, input_dtype = prepare_call(fn, compute_dtype, use_mixed_precision, autocast)
+        reduce_dtype = sharding.check_reduce_dtype(reduce_dtype)
+        if use_mixed_precision:  # under jit, XLA's gradient all-reduces in reduce_dtype
+            call = sharding.widen_gradient_products(call, reduce_dtype)
         return cls(api=api, call=call, input_dtype=input_dtype, argnums=argnums, nums=nums,
                    no_cast_nums=no_cast, has_aux=has_aux,
                    use_mixed_precision=use_mixed_precision, axis_name=axis_name,
-                   reduce_dtype=sharding.check_reduce_dtype(reduce_dtype))
+                   reduce_dtype=reduce_dtype)
 
     @property
     def single_argnum(self) -> bool:

@@ -254,3 +254,146 @@ def check_reduce_dtype(reduce_dtype: Any) -> np.dtype | None:
     return casting.canonical_float_dtype(
         reduce_dtype, allowed=casting.COMPUTE_DTYPES, what="reduce_dtype"
     )
+
+
+# --- Reductions jaxmp does not write: XLA's under jit, autodiff's for FSDP gathers ------------------
+#
+# Under jit with NamedSharding, XLA's partitioner puts the sum over devices of a weight gradient on
+# the output of the matrix product that contracts the batch axis, in that product's dtype: float16,
+# on scaled values. Casting the parameter in a custom_vjp does not move it (the all-reduce comes
+# before the cast). What does is the product itself producing float32: the functions below run a
+# loss function with every half-precision ``dot_general`` replaced by one whose operand gradients
+# come out of the product in ``reduce_dtype`` (float16 operands, float32 accumulation and output,
+# as on GPUs), then are cast back to the operand's dtype. Inside shard_map the same is done for the
+# reduce-scatter that differentiates an ``all_gather`` of a half-precision parameter (FSDP).
+
+
+def _gradient_dot(g, y, x_ndim, dims, swap, precision, out_dtype):
+    """The gradient of ``dot_general`` for its operand ``x`` (``y`` the other), as JAX's rule."""
+    (x_contract, y_contract), (x_batch, y_batch) = dims
+    x_kept = [i for i in range(x_ndim) if i not in x_contract and i not in x_batch]
+    y_kept = [i for i in range(y.ndim) if i not in y_contract and i not in y_batch]
+    nb = len(x_batch)
+    start = nb if swap else nb + len(x_kept)  # where y's kept axes sit in the output
+    g_dims = ((tuple(range(start, start + len(y_kept))), tuple(y_kept)),
+              (tuple(range(nb)), tuple(y_batch)))
+    out = jax.lax.dot_general(g, y, g_dims, precision=precision, preferred_element_type=out_dtype)
+    order = list(x_batch) + x_kept + list(np.take(x_contract, np.argsort(y_contract)))
+    return jax.lax.transpose(out, tuple(int(i) for i in np.argsort(order)))
+
+
+def _wide_gradient_dot(eqn, wide):
+    dims = eqn.params["dimension_numbers"]
+    precision = eqn.params.get("precision")
+
+    @jax.custom_vjp
+    def dot(x, y):
+        return eqn.primitive.bind(x, y, **eqn.params)
+
+    def fwd(x, y):
+        return dot(x, y), (x, y)
+
+    def bwd(res, g):
+        x, y = res
+        g = g.astype(x.dtype)
+        (xc, yc), (xb, yb) = dims
+        dx = _gradient_dot(g, y, x.ndim, dims, False, precision, wide)
+        dy = _gradient_dot(g, x, y.ndim, ((yc, xc), (yb, xb)), True, precision, wide)
+        return dx.astype(x.dtype), dy.astype(y.dtype)
+
+    dot.defvjp(fwd, bwd)
+    return dot
+
+
+def _wide_gradient_gather(eqn, wide):
+    """``all_gather`` whose gradient (a reduce-scatter) is summed in ``wide``: FSDP in shard_map."""
+    params = eqn.params
+
+    @jax.custom_vjp
+    def gather(x):
+        return eqn.primitive.bind(x, **params)
+
+    dtype = eqn.invars[0].aval.dtype
+
+    def fwd(x):
+        return gather(x), None
+
+    def bwd(_, g):
+        out = jax.lax.psum_scatter(
+            g.astype(wide), params["axis_name"], scatter_dimension=params["all_gather_dimension"],
+            axis_index_groups=params["axis_index_groups"], tiled=params["tiled"])
+        return (out.astype(dtype),)
+
+    gather.defvjp(fwd, bwd)
+    return gather
+
+
+def _widen_closed(closed, wide, manual):
+    """``closed`` (a ClosedJaxpr) with its half-precision products rewritten, same signature."""
+    avals = [v.aval for v in closed.jaxpr.invars]  # keeps weak types and varying axes
+    return jax.make_jaxpr(
+        lambda *a: _eval_widened(closed.jaxpr, closed.consts, a, wide, manual))(*avals)
+
+
+def _eval_widened(jaxpr, consts, args, wide, manual):
+    from jax.extend import core as jex_core  # pylint: disable=g-import-not-at-top
+
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        params = dict(eqn.params)
+        half = [a.dtype for a in (v.aval for v in eqn.invars)
+                if casting.is_float_dtype(a.dtype) and a.dtype in casting.HALF_DTYPES]
+        name = eqn.primitive.name
+        if name == "dot_general" and not manual and len(half) == 2 and half[0] == half[1]:
+            outs = [_wide_gradient_dot(eqn, wide)(*invals)]
+        elif name == "all_gather" and manual and half:
+            outs = [_wide_gradient_gather(eqn, wide)(*invals)]
+        else:
+            for key, value in eqn.params.items():  # pjit, scan, while: rewrite their bodies
+                if isinstance(value, jex_core.ClosedJaxpr):
+                    params[key] = _widen_closed(value, wide, manual)
+                elif isinstance(value, tuple) and value and all(
+                        isinstance(b, jex_core.ClosedJaxpr) for b in value):  # cond branches
+                    params[key] = tuple(_widen_closed(b, wide, manual) for b in value)
+            bind_params = eqn.primitive.get_bind_params(params)
+            outs = eqn.primitive.bind(*invals, **bind_params)
+            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def widen_gradient_products(fn, reduce_dtype: Any):
+    """``fn`` whose gradient reductions across devices run in ``reduce_dtype``.
+
+    Under ``jit`` with ``NamedSharding``, every half-precision matrix product
+    gives its operand gradients in ``reduce_dtype`` (then cast back), so the
+    sums over devices that XLA inserts after the weight-gradient products run
+    in ``reduce_dtype``. Inside ``shard_map``, every half-precision
+    ``all_gather`` (FSDP) sums its gradient, a reduce-scatter, in
+    ``reduce_dtype``. With ``reduce_dtype=None``, ``fn`` is returned as it is.
+    Operations inside ``checkpoint``/``remat`` and custom derivative rules are
+    left as written.
+    """
+    if reduce_dtype is None or np.dtype(reduce_dtype).itemsize < 4:
+        return fn  # half-precision reductions: XLA's and autodiff's already are
+
+    def widened(*args, **kwargs):
+        manual = bool(manual_axes())
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        traced = [casting.is_array(x) for x in leaves]
+        arrays = [x for x, t in zip(leaves, traced) if t]
+
+        def flat_fn(*arrays):
+            it = iter(arrays)
+            a, k = jax.tree_util.tree_unflatten(tree, [next(it) if t else x
+                                                       for x, t in zip(leaves, traced)])
+            return fn(*a, **k)
+
+        closed, shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
+        outs = _eval_widened(closed.jaxpr, closed.consts, arrays, reduce_dtype, manual)
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), outs)
+
+    return widened
