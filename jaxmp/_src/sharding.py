@@ -181,6 +181,18 @@ def _size(axes) -> int:
     return math.prod(jax.lax.axis_size(a) for a in axes)
 
 
+def _mean_in_device_order(x: jax.Array, axes: tuple[Any, ...], count: int) -> jax.Array:
+    """The mean of a scalar over ``axes``, summed in device order whatever the collective backend.
+
+    An all-reduce may add in any order (gloo across processes, XLA within one),
+    which changes the last bit of a float32 loss; gathering the values and
+    adding them here does not. ``pmax`` of the (equal) results is exact and
+    types the result as the same on every device.
+    """
+    total = jnp.sum(jax.lax.all_gather(x, axes))
+    return jax.lax.pmax(total / jnp.asarray(count, total.dtype), axes)
+
+
 def mean_over_devices(
     loss: jax.Array, grads: PyTree, plan: Plan, reduce_dtype: Any = None
 ) -> tuple[jax.Array, PyTree]:
@@ -213,9 +225,9 @@ def mean_over_devices(
     else:  # no types to read: every leaf replicated, every loss different
         loss_axes = tuple(axes)
         sharded = jax.tree_util.tree_map(lambda s: frozenset(), sharded)
-    if loss_axes:
-        loss = jax.lax.pmean(loss, loss_axes)
     count = _size(loss_axes)
+    if loss_axes:
+        loss = _mean_in_device_order(loss, loss_axes, count)
 
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     flags = treedef.flatten_up_to(sharded)
