@@ -505,3 +505,23 @@ def test_widened_products_have_the_same_gradients(spec):
     for g, w in zip(got[1], want[1]):
         assert g.dtype == w.dtype == jnp.float16 and g.shape == w.shape
         np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_shard_map_pure_tensor_parallel_with_axis_name_model():
+    """Batch replicated, parameters split over "model": list "model" so that the replicated bias
+    gets one gradient (the loss is the same on every device, its mean is the loss)."""
+    if jax.device_count() < NUM:
+        pytest.skip(f"needs {NUM} devices")
+    model_mesh = jax.make_mesh((NUM,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+    params, x, y = _tp_setup()
+    scaler = jaxmp.init_scaler(initial_scale=2.0**10)
+
+    def body(params, x, y, scaler):
+        return jaxmp.mp_value_and_grad(_tp_loss, axis_name="model")(params, x, y,
+                                                                    scaler_state=scaler)
+
+    fn = jax.shard_map(body, mesh=model_mesh, in_specs=(TP_SPECS, P(), P(), P()),
+                       out_specs=(P(), TP_SPECS, P(), P()))
+    loss, grads, _, finite = jax.jit(fn)(params, x, y, scaler)
+    _assert_close_to_reference(loss, grads, params, x, y)
+    assert bool(finite)
