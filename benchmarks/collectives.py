@@ -57,7 +57,10 @@ def _group_size(line: str, default: int) -> int:
 
 
 def count_collectives(hlo: str, devices: int) -> dict:
-    """``{(op, dtype): {"ops", "elements", "payload_bytes", "ring_bytes"}}`` from HLO text."""
+    """``{"op dtype": {"buffers", "elements", "payload_bytes", "ring_bytes"}}`` from HLO text.
+
+    A collective over a tuple counts one buffer per element.
+    """
     out: dict = collections.defaultdict(lambda: collections.Counter())
     for line in hlo.splitlines():
         m = re.search(r"= (.*?) (" + "|".join(OPS) + r")(-start)?\(", line)
@@ -70,7 +73,7 @@ def count_collectives(hlo: str, devices: int) -> dict:
             payload = elements * BYTES.get(dtype, 4) * (n if op == "reduce-scatter" else 1)
             ring = payload * (2 if op == "all-reduce" else 1) * (n - 1) / max(n, 1)
             entry = out[f"{op} {dtype}"]
-            entry["ops"] += 1
+            entry["buffers"] += 1
             entry["elements"] += elements
             entry["payload_bytes"] += payload
             entry["ring_bytes"] += int(ring)
@@ -170,13 +173,13 @@ def main(argv=None) -> int:
     print(f"# Collectives per training step ({machine})")
     print(f"# MLP {args.depth} x {args.width}, batch {args.batch}, float16 compute, "
           "float32 parameters")
-    print(f"{'mode':16} {'reduce_dtype':12} {'HLO':9} {'collective':20} {'ops':>4} "
+    print(f"{'mode':16} {'reduce_dtype':12} {'HLO':9} {'collective':20} {'bufs':>4} "
           f"{'payload B':>11} {'ring B/dev':>11}")
     for row in results:
         for which in ("emitted", "compiled"):
             for key, v in row[which].items():
                 print(f"{row['mode']:16} {row['reduce_dtype']:12} {which:9} {key:20} "
-                      f"{v['ops']:>4} {v['payload_bytes']:>11} {v['ring_bytes']:>11}")
+                      f"{v['buffers']:>4} {v['payload_bytes']:>11} {v['ring_bytes']:>11}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "collectives.json")
