@@ -525,3 +525,17 @@ def test_shard_map_pure_tensor_parallel_with_axis_name_model():
     loss, grads, _, finite = jax.jit(fn)(params, x, y, scaler)
     _assert_close_to_reference(loss, grads, params, x, y)
     assert bool(finite)
+
+
+def test_all_finite_alone_reduces_over_every_mesh_axis_and_checks_names(mesh2d):
+    x = jnp.ones((4, 4)).at[3, 3].set(jnp.inf)  # lives on the device at data 1, model 1
+
+    def body(v):
+        return jaxmp.all_finite(v)[None]
+
+    fn = jax.shard_map(body, mesh=mesh2d, in_specs=P("data", "model"),
+                       out_specs=P(("data", "model")))
+    assert np.asarray(jax.jit(fn)(x)).tolist() == [False] * NUM
+    assert bool(jaxmp.all_finite(jnp.ones(3)))  # outside shard_map: nothing to reduce
+    with pytest.raises(ValueError, match="'data' is not bound here"):
+        jaxmp.all_finite(jnp.ones(3), axis_name="data")
