@@ -17,6 +17,9 @@ This module decides, at trace time, what jaxmp does about the other devices:
 * :func:`verdict` makes one finiteness flag for every device of the mesh, over
   every manual axis, whatever ``axis_name`` lists, so the scaler state stays
   replicated.
+* :func:`widen_gradient_products` reaches the sums jaxmp does not write (XLA's
+  under ``jit``, autodiff's for an FSDP ``all_gather``) when ``reduce_dtype``
+  is float32.
 
 Which leaves are sharded is read from JAX's varying-manual-axes types (the
 default ``check_vma=True`` of ``shard_map``). Without them (``check_vma=False``,
