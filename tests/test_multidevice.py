@@ -477,13 +477,12 @@ def test_shard_map_fsdp_reduce_dtype_moves_reduce_scatter_to_float32(mesh):
     assert _collective_types(out[jnp.float32], "reduce-scatter", "2,8") == {"f32"}
 
 
-@pytest.mark.parametrize("spec", ["ij,jk->ik", "bij,bjk->bik", "ji,jk->ki", "bji,kjb->bki"])
+@pytest.mark.parametrize("spec", ["ij,jk->ik", "bji,kjb->bki"])  # plain; batch + odd layouts
 def test_widened_products_have_the_same_gradients(spec):
     """The rewritten matrix products (float32 gradient outputs) match JAX's own gradients."""
     from jaxmp._src import sharding  # pylint: disable=g-import-not-at-top
 
-    shapes = {"ij,jk->ik": ((4, 3), (3, 5)), "bij,bjk->bik": ((2, 4, 3), (2, 3, 5)),
-              "ji,jk->ki": ((3, 4), (3, 5)), "bji,kjb->bki": ((2, 3, 4), (5, 3, 2))}[spec]
+    shapes = {"ij,jk->ik": ((4, 3), (3, 5)), "bji,kjb->bki": ((2, 3, 4), (5, 3, 2))}[spec]
     k1, k2 = jax.random.split(jax.random.key(3))
     a = jax.random.normal(k1, shapes[0]).astype(jnp.float16)
     b = jax.random.normal(k2, shapes[1]).astype(jnp.float16)
