@@ -1,10 +1,11 @@
 """Two processes x two CPU devices (jax.distributed on localhost) against one process x four.
 
 The test starts two worker processes running this file; each initialises
-``jax.distributed`` on a free loopback port, builds a global 4-device mesh, feeds
-its half of every batch with ``make_array_from_process_local_data`` and trains a
-small model with jaxmp for ``STEPS`` steps, once inside ``shard_map`` and once
-under ``jit``. At step ``INF_STEP`` process 1 puts an ``inf`` into its shard of
+``jax.distributed`` on a free loopback port, builds global 4-device meshes, feeds
+its rows of every batch with ``make_array_from_process_local_data`` and trains a
+small model with jaxmp for ``STEPS`` steps: data parallel, FSDP (weights sharded
+over "data") and 2-D (batch over "data", weights over "model"), each inside
+``shard_map`` and under ``jit``. At step ``INF_STEP`` process 1 puts an ``inf`` into its shard of
 the batch. The pytest process (4 CPU devices, see conftest.py) runs the same
 training on one process and compares.
 """
@@ -37,62 +38,106 @@ def _data():
     return params, xs, ys
 
 
+STRATEGIES = ("dp", "fsdp", "2d")
+
+
 def train(process_index: int, process_count: int) -> dict[str, np.ndarray]:
-    """Trains under shard_map and under jit; returns every step's loss, finite and scale, and params."""
+    """Trains every strategy under shard_map and under jit.
+
+    Returns, by ``"{path}_{strategy}/..."``, every step's loss, finite and
+    scale, and the final scaler state and parameters (gathered from all
+    processes).
+    """
+    del process_index, process_count  # read from each array's sharding instead
     import jax  # pylint: disable=g-import-not-at-top
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
     import optax  # pylint: disable=g-import-not-at-top
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
     from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
     import jaxmp  # pylint: disable=g-import-not-at-top
 
-    mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    auto = jax.sharding.AxisType.Auto
+    meshes = {"dp": jax.make_mesh((DEVICES,), ("data",), axis_types=(auto,)),
+              "fsdp": jax.make_mesh((DEVICES,), ("data",), axis_types=(auto,)),
+              "2d": jax.make_mesh((2, 2), ("data", "model"), axis_types=(auto, auto))}
+    specs = {"dp": {"w1": P(), "w2": P(), "b": P()},
+             "fsdp": {"w1": P(None, "data"), "w2": P("data", None), "b": P()},
+             "2d": {"w1": P(None, "model"), "w2": P("model", None), "b": P()}}
     opt = optax.adam(1e-2)
 
-    def loss_fn(params, x, y):
-        pred = jnp.tanh(x @ params["w1"]) @ params["w2"] + params["b"]
+    def forward(params, x, y, gather=None, psum=None):
+        w1, w2 = params["w1"], params["w2"]
+        if gather:  # FSDP inside shard_map
+            w1 = jax.lax.all_gather(w1, gather, axis=1, tiled=True)
+            w2 = jax.lax.all_gather(w2, gather, axis=0, tiled=True)
+        partial = jnp.tanh(x @ w1) @ w2
+        pred = (jax.lax.psum(partial, psum) if psum else partial) + params["b"]
         return jnp.mean((pred[:, 0] - y).astype(jnp.float32) ** 2)
 
-    def step(params, opt_state, scaler, x, y, axis_name=None):
-        loss, grads, scaler, finite = jaxmp.mp_value_and_grad(loss_fn, axis_name=axis_name)(
-            params, x, y, scaler_state=scaler)
-        params, opt_state = jaxmp.optimizer_update(params, opt, opt_state, grads, finite)
-        return params, opt_state, scaler, loss, finite
+    def make_step(loss_fn, axis_name, **options):
+        def step(params, opt_state, scaler, x, y):
+            loss, grads, scaler, finite = jaxmp.mp_value_and_grad(loss_fn, axis_name=axis_name, **options)(
+                params, x, y, scaler_state=scaler)
+            params, opt_state = jaxmp.optimizer_update(params, opt, opt_state, grads, finite)
+            return params, opt_state, scaler, loss, finite
+        return step
 
-    in_specs = (P(), P(), P(), P("data"), P("data"))
-    steps = {
-        "shard_map": jax.jit(jax.shard_map(
-            lambda *a: step(*a, axis_name="data"), mesh=mesh, in_specs=in_specs,
-            out_specs=P())),
-        "jit": jax.jit(step),
-    }
     params, xs, ys = _data()
-    rows = slice(process_index * BATCH // process_count, (process_index + 1) * BATCH // process_count)
-
-    def local(a):  # a replicated global array as NumPy, from this process's first device
-        return np.asarray(a.addressable_shards[0].data)
-
     out = {}
-    for name, fn in steps.items():
-        state = (params, opt.init(params), jaxmp.init_scaler(initial_scale=2.0**8, growth_interval=6))
-        state = jax.tree_util.tree_map(
-            lambda v: jax.make_array_from_process_local_data(replicated, np.asarray(v)), state)
-        losses, finites, scales = [], [], []
-        for i in range(STEPS):
-            x = jax.make_array_from_process_local_data(batch, xs[i][rows], xs[i].shape)
-            y = jax.make_array_from_process_local_data(batch, ys[i][rows], ys[i].shape)
-            *state, loss, finite = fn(*state, x, y)
-            losses.append(local(loss))
-            finites.append(local(finite))
-            scales.append(local(state[2].scale))
-        out[f"{name}/loss"] = np.stack(losses)
-        out[f"{name}/finite"] = np.stack(finites)
-        out[f"{name}/scale"] = np.stack(scales)
-        out[f"{name}/skipped"] = local(state[2].skipped_steps)
-        for k, v in state[0].items():
-            out[f"{name}/params/{k}"] = local(v)
+    for strategy in STRATEGIES:
+        mesh, pspec = meshes[strategy], specs[strategy]
+        ospec = jax.tree_util.tree_map(  # Adam's moments are sharded like the parameters
+            lambda s: pspec if isinstance(s, dict) else P(), opt.init(params),
+            is_leaf=lambda s: isinstance(s, dict))
+        scaler = jaxmp.init_scaler(initial_scale=2.0**8, growth_interval=6)
+        sspec = jax.tree_util.tree_map(lambda _: P(), scaler)  # replicated
+        shard_loss = {"dp": forward,
+                      "fsdp": lambda p, x, y: forward(p, x, y, gather="data"),
+                      "2d": lambda p, x, y: forward(p, x, y, psum="model")}[strategy]
+        state_specs = (pspec, ospec, sspec)
+        paths = {
+            "shard_map": jax.jit(jax.shard_map(
+                # float32: the reduce-scatter that differentiates FSDP's all_gather would
+                # otherwise add float16 values in the collective backend's order.
+                make_step(shard_loss, "data", reduce_dtype=jnp.float32), mesh=mesh,
+                in_specs=state_specs + (P("data"), P("data")), out_specs=state_specs + (P(), P()))),
+            "jit": jax.jit(make_step(forward, None)),
+        }
+        batch = NamedSharding(mesh, P("data"))
+
+        def global_array(value, spec, mesh=mesh):
+            value = np.asarray(value)
+            return jax.make_array_from_callback(value.shape, NamedSharding(mesh, spec),
+                                                lambda idx, value=value: value[idx])
+
+        def process_rows(shape, batch=batch):  # the rows of the batch this process feeds
+            idx = batch.addressable_devices_indices_map(shape).values()
+            return slice(min(i[0].start or 0 for i in idx), max(i[0].stop or shape[0] for i in idx))
+
+        for path, fn in paths.items():
+            init = (params, opt.init(params), scaler)
+            state = jax.tree_util.tree_map(lambda spec, v: global_array(v, spec), state_specs,
+                                           init, is_leaf=lambda s: isinstance(s, P))
+            losses, finites, scales = [], [], []
+            for i in range(STEPS):
+                rows = process_rows(xs[i].shape)
+                x = jax.make_array_from_process_local_data(batch, xs[i][rows], xs[i].shape)
+                y = jax.make_array_from_process_local_data(batch, ys[i][rows], ys[i].shape)
+                *state, loss, finite = fn(*state, x, y)
+                losses.append(loss)
+                finites.append(finite)
+                scales.append(state[2].scale)
+            name = f"{path}_{strategy}"
+            fetch = lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True))
+            out[f"{name}/loss"] = np.stack([fetch(v) for v in losses])
+            out[f"{name}/finite"] = np.stack([fetch(v) for v in finites])
+            out[f"{name}/scale"] = np.stack([fetch(v) for v in scales])
+            for field in ("skipped_steps", "steps_since_overflow", "overflow_streak"):
+                out[f"{name}/scaler/{field}"] = fetch(getattr(state[2], field))
+            for k, v in state[0].items():
+                out[f"{name}/params/{k}"] = fetch(v)
     return out
 
 
@@ -158,30 +203,31 @@ def test_both_processes_agree_bit_for_bit(two_processes):
 
 def test_overflow_on_one_process_skips_everywhere(two_processes):
     for results in two_processes:
-        for name in ("shard_map", "jit"):
+        for name in (f"{path}_{s}" for path in ("shard_map", "jit") for s in STRATEGIES):
             finite = results[f"{name}/finite"]
-            assert finite.tolist() == [i != INF_STEP for i in range(STEPS)]
-            assert int(results[f"{name}/skipped"]) == 1
+            assert finite.tolist() == [i != INF_STEP for i in range(STEPS)], name
+            assert int(results[f"{name}/scaler/skipped_steps"]) == 1, name
             scale = results[f"{name}/scale"]
-            assert scale[INF_STEP] == scale[INF_STEP - 1] / 2  # backed off once, on every device
+            assert scale[INF_STEP] == scale[INF_STEP - 1] / 2, name  # backed off once
 
 
 def test_shard_map_matches_one_process_bit_for_bit(two_processes, one_process):
-    for k, v in one_process.items():
-        if k.startswith("shard_map/"):
-            assert two_processes[0][k].tobytes() == v.tobytes(), k
+    keys = [k for k in one_process if k.startswith("shard_map_")]
+    assert len(keys) == 3 * 9  # 3 strategies x (loss, finite, scale, 3 scaler fields, 3 params)
+    for k in keys:
+        assert two_processes[0][k].tobytes() == one_process[k].tobytes(), k
 
 
 def test_jit_matches_one_process(two_processes, one_process):
     """XLA may sum float16 partial products in another order: same flags, close values."""
-    for k, v in one_process.items():
-        if not k.startswith("jit/"):
-            continue
-        got = two_processes[0][k]
-        if k.endswith(("finite", "scale", "skipped")):
-            assert got.tolist() == v.tolist(), k
+    keys = [k for k in one_process if k.startswith("jit_")]
+    assert len(keys) == 3 * 9  # 3 strategies x (loss, finite, scale, 3 scaler fields, 3 params)
+    for k in keys:
+        got, want = two_processes[0][k], one_process[k]
+        if "/params/" in k or k.endswith("/loss"):
+            np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4, err_msg=k)
         else:
-            np.testing.assert_allclose(got, v, rtol=1e-3, atol=1e-4, err_msg=k)
+            assert got.tolist() == want.tolist(), k
 
 
 if __name__ == "__main__":
