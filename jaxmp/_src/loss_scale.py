@@ -366,3 +366,42 @@ def scaler_metrics(state: ScalerState) -> dict[str, jax.Array]:
         "steps_since_overflow": state.steps_since_overflow,
         "overflow_streak": state.overflow_streak,
     }
+
+
+def scaler_for(compute_dtype: Any, **init_scaler_kwargs: Any) -> ScalerState:
+    """The usual scaler for training in ``compute_dtype``.
+
+    float16 gets a dynamic scaler (:func:`init_scaler`): its smallest normal
+    number is about 6e-5, so small gradients flush to zero without a scale.
+    bfloat16 and float32 get :func:`noop_scaler`: bfloat16 has float32's
+    exponent range, so a scale has nothing to rescue; non-finite steps are still
+    detected and skipped. A training script that offers several precisions
+    calls this one function instead of choosing by hand.
+
+    Args:
+        compute_dtype: ``jnp.float16``, ``jnp.bfloat16`` or ``jnp.float32``
+            (or their names).
+        **init_scaler_kwargs: settings of the dynamic scaler, passed to
+            :func:`init_scaler` for float16. They are checked for every dtype,
+            so a misspelt or out-of-range setting fails whatever the dtype.
+
+    Returns:
+        A :class:`ScalerState`.
+
+    Raises:
+        ValueError: if ``compute_dtype`` is not float16, bfloat16 or float32,
+            or a setting is out of range.
+        TypeError: if a keyword is not an argument of :func:`init_scaler`.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jaxmp
+        >>> jaxmp.scaler_for(jnp.float16, growth_interval=200).mode
+        'dynamic'
+        >>> jaxmp.scaler_for("bfloat16").mode, jaxmp.scaler_for(jnp.float32).mode
+        ('none', 'none')
+    """
+    dtype = casting.canonical_float_dtype(
+        compute_dtype, allowed=casting.COMPUTE_DTYPES, what="compute_dtype")
+    dynamic = init_scaler(**init_scaler_kwargs)
+    return dynamic if dtype == jnp.float16 else noop_scaler()
