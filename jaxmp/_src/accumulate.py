@@ -39,40 +39,70 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src import casting
-from jaxmp._src import grad as grad_lib
-from jaxmp._src import loss_scale
+from jaxmp._src import kernel
 
 PyTree = Any
 
 
-def _as_tuple(nums: Any, name: str) -> tuple[int, ...]:
-    out = (nums,) if isinstance(nums, int) and not isinstance(nums, bool) else nums
-    try:
-        out = tuple(out)
-    except TypeError:
-        out = None
-    if not out or not all(isinstance(i, int) and not isinstance(i, bool) for i in out):
-        raise TypeError(f"{name} must be an int or a non-empty sequence of ints, got {nums!r}.")
-    return out
+def _is_key(x: Any) -> bool:
+    """A typed PRNG key array, or what a raw ``jax.random.PRNGKey`` looks like (uint32[2] or [4])."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return True
+    return x.dtype == np.uint32 and np.ndim(x) == 1 and x.shape[0] in (2, 4)
 
 
-def _is_batched_leaf(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray))
+class _Batch:
+    """The batch arguments of one call, split into micro-batches along their leading axis.
 
+    ``leaves`` holds, for every batch argument, its array leaves reshaped to
+    ``(k, B // k, ...)`` (``None`` for leaves that are not split); ``rebuild``
+    puts one micro-batch of them back into the full argument list. A PRNG key
+    whose leading axis is not the batch axis (a single key, raw or typed) is not
+    split: every micro-batch receives it unchanged.
+    """
 
-def _split_leaf(x: Any, k: int, where: str) -> Any:
-    if np.ndim(x) == 0 or x.shape[0] % k:
-        shape = tuple(np.shape(x))
-        raise ValueError(
-            f"Every array in the batch arguments must have a leading batch axis "
-            f"divisible by num_microbatches={k}; {where} has shape {shape}."
-        )
-    return x.reshape((k, x.shape[0] // k) + tuple(x.shape[1:]))
+    def __init__(self, args: Sequence[Any], positions: Sequence[int], k: int):
+        self.positions = positions
+        flat = [jax.tree_util.tree_flatten_with_path(args[pos]) for pos in positions]
+        arrays = [x for with_paths, _ in flat for _, x in with_paths if self._is_array(x)]
+        sizes = {x.shape[0] for x in arrays if np.ndim(x) and not _is_key(x)}
+        self.leaves, self.static = [], []
+        for pos, (with_paths, treedef) in zip(positions, flat):
+            split, static = [], []
+            for path, x in with_paths:
+                if self._is_array(x) and not (_is_key(x) and (np.ndim(x) == 0 or
+                                                             x.shape[0] not in sizes)):
+                    where = f"argument {pos}" + (
+                        f" leaf {jax.tree_util.keystr(path)}" if path else "")
+                    split.append(self._split(x, k, where))
+                    static.append(None)
+                else:
+                    split.append(None)
+                    static.append(x)
+            self.leaves.append(split)
+            self.static.append((treedef, static))
 
+    @staticmethod
+    def _is_array(x: Any) -> bool:
+        return isinstance(x, (jax.Array, np.ndarray))
 
-def _wide_zeros(x: jax.Array) -> jax.Array:
-    dtype = x.dtype if jnp.finfo(x.dtype).bits > 32 else jnp.float32
-    return jnp.zeros(x.shape, dtype)
+    @staticmethod
+    def _split(x: Any, k: int, where: str) -> Any:
+        if np.ndim(x) == 0 or x.shape[0] % k:
+            shape = tuple(np.shape(x))
+            raise ValueError(
+                f"Every array in the batch arguments must have a leading batch axis "
+                f"divisible by num_microbatches={k}; {where} has shape {shape}. If this "
+                "argument is not part of the batch, leave it out of batch_argnums."
+            )
+        return x.reshape((k, x.shape[0] // k) + tuple(x.shape[1:]))
+
+    def rebuild(self, args: Sequence[Any], micro_leaves: Sequence[Any]) -> list[Any]:
+        full = list(args)
+        for pos, leaves, (treedef, static) in zip(self.positions, micro_leaves, self.static):
+            merged = [s if m is None else m for m, s in zip(leaves, static)]
+            full[pos] = jax.tree_util.tree_unflatten(treedef, merged)
+        return full
 
 
 def accumulate_value_and_grad(
@@ -81,6 +111,7 @@ def accumulate_value_and_grad(
     *,
     argnums: int | Sequence[int] = 0,
     batch_argnums: int | Sequence[int] | None = None,
+    no_cast_argnums: int | Sequence[int] = (),
     has_aux: bool = False,
     compute_dtype: Any = jnp.float16,
     use_mixed_precision: bool = True,
@@ -113,10 +144,14 @@ def accumulate_value_and_grad(
             by it.
         argnums: which positional arguments to differentiate.
         batch_argnums: which positional arguments hold the batch. Defaults to
-            every positional argument not in ``argnums``. Non-array leaves of
-            these arguments (Python numbers, ``None``) are not split. To vary a
-            PRNG key per micro-batch, pass one key per example (e.g.
+            every positional argument not in ``argnums`` or
+            ``no_cast_argnums``. Non-array leaves of these arguments (Python
+            numbers, ``None``) are not split, and neither is a single PRNG key
+            (raw or typed): every micro-batch gets the same key. To vary a key
+            per micro-batch, pass one key per example (e.g.
             ``jax.random.split(key, batch_size)``) as part of the batch.
+        no_cast_argnums: as in :func:`jaxmp.mp_value_and_grad`: arguments
+            passed to every micro-batch exactly as given, never cast.
         has_aux: whether ``fn`` returns ``(loss, aux)``. The returned ``aux``
             stacks the micro-batch aux values along a new leading axis of size
             ``num_microbatches`` (floating leaves in float32 under mixed
@@ -158,32 +193,23 @@ def accumulate_value_and_grad(
     ):
         raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}.")
     k = int(num_microbatches)
-    int_argnums = isinstance(argnums, int) and not isinstance(argnums, bool)
-    nums = _as_tuple(argnums, "argnums")
-    batch_nums = None if batch_argnums is None else _as_tuple(batch_argnums, "batch_argnums")
+    step = kernel.Step.create(
+        fn, api="jaxmp.accumulate_value_and_grad", argnums=argnums,
+        no_cast_argnums=no_cast_argnums, has_aux=has_aux, compute_dtype=compute_dtype,
+        use_mixed_precision=use_mixed_precision, axis_name=axis_name, autocast=autocast)
+    batch_nums = None if batch_argnums is None else kernel.int_tuple(batch_argnums,
+                                                                     "batch_argnums")
 
-    call, input_dtype = grad_lib.prepare_call(fn, compute_dtype, use_mixed_precision, autocast)
-
-    def positions_of(numbers, n, name):
-        out = []
-        for i in numbers:
-            if not -n <= i < n:
-                raise TypeError(
-                    f"{name}={numbers!r} refers to argument {i}, but the function was "
-                    f"called with {n} positional arguments."
-                )
-            out.append(i % n)
-        return out
-
-    @grad_lib.wraps_adding_scaler_state(fn)
-    def accumulated_fn(*args, scaler_state, **kwargs):
-        state = loss_scale.check_scaler_state(scaler_state)
+    @kernel.wraps_adding_scaler_state(fn)
+    def accumulated_fn(*args, scaler_state=kernel.REQUIRED, **kwargs):
+        state = step.check_state(scaler_state)
         n = len(args)
-        positions = positions_of(nums, n, "argnums")
+        positions = kernel.resolve_positions(step.nums, n, "argnums", argnums)
         if batch_nums is None:
-            batch_positions = [i for i in range(n) if i not in positions]
+            skip = set(positions) | set(step.no_cast_positions(n))
+            batch_positions = [i for i in range(n) if i not in skip]
         else:
-            batch_positions = positions_of(batch_nums, n, "batch_argnums")
+            batch_positions = kernel.resolve_positions(batch_nums, n, "batch_argnums", batch_nums)
             overlap = sorted(set(batch_positions) & set(positions))
             if overlap:
                 raise ValueError(
@@ -195,79 +221,23 @@ def accumulate_value_and_grad(
                 "There is no batch argument to split into micro-batches: pass the batch "
                 "as a positional argument not in argnums, or set batch_argnums."
             )
-
-        parts = [grad_lib._partition(args[i]) for i in positions]  # pylint: disable=protected-access
-        diff = tuple(floats for floats, _ in parts)
-        if not any(casting.is_float_array(x) for x in jax.tree_util.tree_leaves(diff)):
-            raise TypeError(
-                f"No floating-point array leaves to differentiate in the argument(s) "
-                f"argnums={argnums!r}. Gradients are taken with respect to float arrays only."
-            )
-
-        # Split the batch arrays into (k, B // k, ...); keep other leaves aside.
-        micro = []
-        static = []
-        for pos in batch_positions:
-            with_paths = jax.tree_util.tree_flatten_with_path(args[pos])[0]
-            leaves, treedef = jax.tree_util.tree_flatten(args[pos])
-            split = [
-                _split_leaf(x, k, f"argument {pos}" + (
-                    f" leaf {jax.tree_util.keystr(path)}" if path else ""))
-                if _is_batched_leaf(x) else None
-                for (path, _), x in zip(with_paths, leaves)
-            ]
-            micro.append(split)
-            static.append((treedef, [None if _is_batched_leaf(x) else x for x in leaves]))
-
-        def rebuild_batch(micro_leaves):
-            full = list(args)
-            for pos, leaves, (treedef, others) in zip(batch_positions, micro_leaves, static):
-                merged = [o if m is None else m for m, o in zip(leaves, others)]
-                full[pos] = jax.tree_util.tree_unflatten(treedef, merged)
-            return full
-
-        if axis_name is not None:
-            diff = jax.tree_util.tree_map(lambda x: grad_lib._as_varying(x, axis_name), diff)  # pylint: disable=protected-access
-
-        def scaled_loss_fn(diff, micro_leaves):
-            full = rebuild_batch(micro_leaves)
-            for pos, floats, (_, others) in zip(positions, diff, parts):
-                full[pos] = grad_lib._combine(floats, others)  # pylint: disable=protected-access
-            call_args, call_kwargs = tuple(full), kwargs
-            if input_dtype is not None:
-                call_args, call_kwargs = casting.cast_tree((call_args, call_kwargs), input_dtype)
-            out = call(*call_args, **call_kwargs)
-            loss, aux = grad_lib._split_aux(out, has_aux)  # pylint: disable=protected-access
-            loss = grad_lib._check_loss(loss).astype(jnp.float32)  # pylint: disable=protected-access
-            if use_mixed_precision:
-                aux = casting.cast_to_float32(aux)
-                scaled = loss_scale.scale(state, loss)
-            else:
-                scaled = loss
-            return scaled, (loss, aux)
+        diff, rebuild = step.differentiable(args)
+        batch = _Batch(args, batch_positions, k)
 
         def body(acc, micro_leaves):
-            (_, (loss, aux)), grads = jax.value_and_grad(scaled_loss_fn, has_aux=True)(
-                diff, micro_leaves
-            )
+            (_, (loss, aux)), grads = jax.value_and_grad(
+                lambda d: step.scaled_loss(state, batch.rebuild(rebuild(d), micro_leaves), kwargs),
+                has_aux=True)(diff)
             acc = jax.tree_util.tree_map(lambda a, g: a + g.astype(a.dtype), acc, grads)
             return acc, (loss, aux)
 
-        acc = jax.tree_util.tree_map(_wide_zeros, diff)
+        # Scaled gradients are summed in float32 (float64 stays float64).
+        acc = jax.tree_util.tree_map(
+            lambda x: jnp.zeros(x.shape, casting.wide_dtype(x.dtype)), diff)
         if axis_name is not None:
-            acc = jax.tree_util.tree_map(lambda x: grad_lib._as_varying(x, axis_name), acc)  # pylint: disable=protected-access
-        acc, (losses, aux) = jax.lax.scan(body, acc, micro)
-
-        inv_k = 1.0 / k
-        if use_mixed_precision:
-            # One division by the scale of the window, in float32, then the mean.
-            acc = loss_scale.unscale(state, acc)
-        grads = jax.tree_util.tree_map(
-            lambda a, p: (a * jnp.asarray(inv_k, a.dtype)).astype(p.dtype), acc, diff
-        )
-        return grad_lib.finish_step(jnp.mean(losses), aux, grads, state, axis_name=axis_name,
-                                    adjust_scale=use_mixed_precision, single_argnum=int_argnums,
-                                    has_aux=has_aux)
+            acc = jax.tree_util.tree_map(lambda x: kernel.mark_varying(x, axis_name), acc)
+        acc, (losses, aux) = jax.lax.scan(body, acc, batch.leaves)
+        grads = step.unscale(state, acc, diff, divisor=k)
+        return step.finish(jnp.mean(losses), aux, grads, state)
 
     return accumulated_fn
-

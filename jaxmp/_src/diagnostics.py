@@ -37,19 +37,6 @@ def _is_dynamic(x: Any) -> bool:
     return casting.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
-def _split_static(tree: PyTree):
-    """Splits the leaves of ``tree`` into arrays (traced) and everything else (closed over)."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    dynamic = [x if _is_dynamic(x) else None for x in leaves]
-    static = [None if _is_dynamic(x) else x for x in leaves]
-
-    def rebuild(dyn_leaves):
-        merged = [d if s is None else s for d, s in zip(dyn_leaves, static)]
-        return jax.tree_util.tree_unflatten(treedef, merged)
-
-    return dynamic, rebuild
-
-
 def saved_activation_bytes(
     fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_aux: bool = False, **kwargs: Any
 ) -> int:
@@ -83,22 +70,20 @@ def saved_activation_bytes(
         2.0
     """
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    dynamic, rebuild = _split_static((args, kwargs))
+    dynamic, static = casting.partition((args, kwargs), _is_dynamic)
 
-    def residuals(dyn_leaves):
-        call_args, call_kwargs = rebuild(dyn_leaves)
+    def residuals(dynamic):
+        call_args, call_kwargs = casting.combine(dynamic, static)
         diff = [call_args[i] for i in nums]
-        floats = [jax.tree_util.tree_map(lambda x: x if casting.is_float_array(x) else None, d)
-                  for d in diff]
+        parts = [casting.partition(d) for d in diff]
 
-        def f(*float_parts):
+        def f(*floats):
             full = list(call_args)
-            for i, part, orig in zip(nums, float_parts, diff):
-                full[i] = jax.tree_util.tree_map(
-                    lambda p, o: o if p is None else p, part, orig, is_leaf=lambda x: x is None)
+            for i, chosen, (_, rest) in zip(nums, floats, parts):
+                full[i] = casting.combine(chosen, rest)
             return fn(*full, **call_kwargs)
 
-        out = jax.vjp(f, *floats, has_aux=has_aux)
+        out = jax.vjp(f, *(chosen for chosen, _ in parts), has_aux=has_aux)
         return out[1]
 
     shapes = jax.eval_shape(residuals, dynamic)
@@ -170,10 +155,10 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any
         >>> jaxmp.matmul_flops(lambda a, b: a @ b, a, b)  # 2 * 2*3*4 multiply-adds
         {'float16': 48}
     """
-    dynamic, rebuild = _split_static((args, kwargs))
+    dynamic, static = casting.partition((args, kwargs), _is_dynamic)
 
-    def call(dyn_leaves):
-        call_args, call_kwargs = rebuild(dyn_leaves)
+    def call(dynamic):
+        call_args, call_kwargs = casting.combine(dynamic, static)
         return fn(*call_args, **call_kwargs)
 
     lowered = jax.jit(call).trace(dynamic).lower(lowering_platforms=(platform,))

@@ -29,7 +29,6 @@ from jaxmp._src import casting
 PyTree = Any
 
 _FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
-_MODES = ("dynamic", "static", "none")
 
 
 @struct.dataclass

@@ -1,0 +1,320 @@
+"""The one gradient step behind every jaxmp gradient function.
+
+:func:`jaxmp.mp_value_and_grad`, :func:`jaxmp.mp_grad` and
+:func:`jaxmp.accumulate_value_and_grad` are thin wrappers around a
+:class:`Step`: it validates the options once, when the wrapper is built, and
+then, on each call,
+
+1. checks ``scaler_state`` (:meth:`Step.check_state`);
+2. splits the differentiated arguments into floating-point leaves and the rest
+   (:meth:`Step.differentiable`);
+3. runs the loss with its inputs cast (or under autocast), converts it to
+   float32 and multiplies it by the scale (:meth:`Step.scaled_loss`);
+4. divides the gradients by the scale of that same backward pass, in float32,
+   and returns each in the dtype of its parameter (:meth:`Step.unscale`);
+5. reduces over devices, checks finiteness, adjusts the scaler and packs the
+   results (:meth:`Step.finish`).
+
+The wrappers differ only in what they do between 3 and 4: one backward pass, or
+a ``lax.scan`` of them over micro-batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxmp._src import casting
+from jaxmp._src import loss_scale
+
+PyTree = Any
+
+
+class _Required:
+    """The default of ``scaler_state``: tells a missing argument from a wrong one."""
+
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+REQUIRED = _Required()
+
+
+def missing_scaler_state(api: str) -> TypeError:
+    """The error for a call that forgot ``scaler_state=``, naming the function that needs it."""
+    return TypeError(
+        f"The function returned by {api} needs the keyword argument scaler_state=, the "
+        "loss-scaling state that it returns updated. Create it once with "
+        "jaxmp.init_scaler() for float16 (dynamic loss scaling) or jaxmp.noop_scaler() for "
+        "bfloat16 and float32, and pass back the one each step returns."
+    )
+
+
+def int_tuple(value: Any, name: str, *, allow_empty: bool = False) -> tuple[int, ...]:
+    """``value`` (an int or a sequence of ints, never bools) as a tuple, or ``TypeError``."""
+    out = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    try:
+        out = tuple(out)
+    except TypeError:
+        out = None
+    if (
+        out is None
+        or (not out and not allow_empty)
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in out)
+    ):
+        kind = "a sequence" if allow_empty else "a non-empty sequence"
+        raise TypeError(f"{name} must be an int or {kind} of ints, got {value!r}.")
+    return out
+
+
+def resolve_positions(nums: Sequence[int], n_args: int, name: str, given: Any) -> list[int]:
+    """Non-negative positions of ``nums`` among ``n_args`` positional arguments."""
+    out = []
+    for i in nums:
+        if not -n_args <= i < n_args:
+            raise TypeError(
+                f"{name}={given!r} refers to argument {i}, but the function was "
+                f"called with {n_args} positional arguments."
+            )
+        out.append(i % n_args)
+    return out
+
+
+def wraps_adding_scaler_state(fn: Callable) -> Callable:
+    """Like ``functools.wraps``, for a wrapper that adds a keyword-only ``scaler_state``.
+
+    ``functools.wraps`` would set ``__wrapped__``, making ``inspect.signature``
+    report ``fn``'s signature, which has no ``scaler_state``; tools that bind
+    arguments to the signature, such as ``equinox.filter_jit``, then reject the
+    call. The name and docstring are copied, ``__wrapped__`` is not kept.
+    """
+
+    def decorate(wrapper: Callable) -> Callable:
+        functools.update_wrapper(wrapper, fn)
+        del wrapper.__wrapped__
+        return wrapper
+
+    return decorate
+
+
+def check_loss(loss: Any) -> jax.Array:
+    """``loss`` as a scalar floating-point array, or ``TypeError`` saying what it is instead."""
+    if not isinstance(loss, (jax.Array, float, int)) or isinstance(loss, bool):
+        raise TypeError(
+            "The loss function must return a scalar floating-point array (or a pair "
+            f"(loss, aux) with has_aux=True), got {type(loss).__name__}."
+        )
+    loss = jnp.asarray(loss)
+    if loss.shape != ():
+        raise TypeError(
+            f"The loss must be a scalar, got an array of shape {loss.shape}. "
+            "Reduce it (e.g. with jnp.mean) before returning it."
+        )
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise TypeError(f"The loss must have a floating-point dtype, got {loss.dtype}.")
+    return loss
+
+
+def split_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
+    """``(loss, aux)`` from what the loss function returned."""
+    if not has_aux:
+        return out, None
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        if isinstance(out, (tuple, list)):
+            got = f"a {type(out).__name__} of length {len(out)}"
+        elif hasattr(out, "shape") and hasattr(out, "dtype"):
+            got = f"a single array of shape {tuple(out.shape)}; without aux, use has_aux=False"
+        else:
+            got = type(out).__name__
+        raise TypeError(
+            f"With has_aux=True the loss function must return a pair (loss, aux), got {got}."
+        )
+    return out[0], out[1]
+
+
+def prepare_call(fn: Callable, compute_dtype: Any, use_mixed_precision: bool, autocast: bool):
+    """Checks ``compute_dtype`` and returns ``(call, input_dtype)`` for a gradient step.
+
+    ``call`` is the function to differentiate; ``input_dtype`` is the dtype its
+    floating inputs are cast to, or ``None`` when ``autocast`` chooses the
+    precision of each operation itself.
+    """
+    compute_dtype = casting.canonical_float_dtype(
+        compute_dtype, allowed=casting.COMPUTE_DTYPES, what="compute_dtype"
+    )
+    if not use_mixed_precision:
+        return fn, jnp.dtype(jnp.float32)
+    if autocast:
+        from jaxmp._src import autocast as autocast_lib  # pylint: disable=g-import-not-at-top
+
+        return autocast_lib.autocast(fn, compute_dtype=compute_dtype), None
+    return fn, compute_dtype
+
+
+def mark_varying(x: jax.Array, axis_name: Any) -> jax.Array:
+    """Marks ``x`` as varying over ``axis_name`` inside ``shard_map``.
+
+    Differentiating a per-device loss with respect to replicated parameters
+    otherwise makes autodiff sum the gradients over devices by itself (JAX's
+    varying-manual-axes typing); made varying, each device gets its own
+    gradient and jaxmp averages them explicitly, the same way with or without
+    ``check_vma`` and under ``pmap``.
+    """
+    names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    try:
+        varying = jax.typeof(x).manual_axis_type.varying
+    except AttributeError:  # outside shard_map
+        varying = frozenset()
+    missing = tuple(n for n in names if n not in varying)
+    if not missing:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)  # JAX 0.7 - 0.8
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """The validated options of one jaxmp gradient function.
+
+    Build it with :meth:`Step.create` when the user's wrapper is created, so
+    that bad options fail there and not on the first call.
+    """
+
+    api: str
+    call: Callable
+    input_dtype: Any
+    argnums: Any
+    nums: tuple[int, ...]
+    no_cast_nums: tuple[int, ...]
+    has_aux: bool
+    use_mixed_precision: bool
+    axis_name: Any
+
+    @classmethod
+    def create(
+        cls,
+        fn: Callable,
+        *,
+        api: str,
+        argnums: Any,
+        no_cast_argnums: Any,
+        has_aux: bool,
+        compute_dtype: Any,
+        use_mixed_precision: bool,
+        axis_name: Any,
+        autocast: bool,
+    ) -> "Step":
+        """Validates the options of ``api`` (e.g. ``"jaxmp.mp_value_and_grad"``)."""
+        if not callable(fn):
+            raise TypeError(f"{api} expects a function, got {type(fn).__name__}.")
+        nums = int_tuple(argnums, "argnums")
+        no_cast = int_tuple(no_cast_argnums, "no_cast_argnums", allow_empty=True)
+        both = sorted(set(nums) & set(no_cast))
+        if both:
+            raise ValueError(
+                f"Arguments {both} are in both argnums and no_cast_argnums: a differentiated "
+                "argument is always cast to the compute dtype, so it cannot also be left "
+                "uncast. Remove it from one of them."
+            )
+        call, input_dtype = prepare_call(fn, compute_dtype, use_mixed_precision, autocast)
+        return cls(api=api, call=call, input_dtype=input_dtype, argnums=argnums, nums=nums,
+                   no_cast_nums=no_cast, has_aux=has_aux,
+                   use_mixed_precision=use_mixed_precision, axis_name=axis_name)
+
+    @property
+    def single_argnum(self) -> bool:
+        return isinstance(self.argnums, int)
+
+    def check_state(self, scaler_state: Any) -> loss_scale.ScalerState:
+        """The scaler state the user passed, checked once per call."""
+        if scaler_state is REQUIRED:
+            raise missing_scaler_state(self.api)
+        return loss_scale.check_scaler_state(scaler_state)
+
+    def differentiable(self, args: Sequence[Any]) -> tuple[tuple[PyTree, ...], Callable]:
+        """The floating-point leaves of the differentiated arguments, and how to put them back.
+
+        Returns ``(diff, rebuild)``: ``diff`` holds one tree per differentiated
+        argument, with ``None`` in place of leaves that are not floating-point
+        arrays; ``rebuild(diff)`` returns the full argument list with those
+        leaves replaced.
+        """
+        positions = resolve_positions(self.nums, len(args), "argnums", self.argnums)
+        parts = [casting.partition(args[i]) for i in positions]
+        diff = tuple(chosen for chosen, _ in parts)
+        if not any(casting.is_float_array(x) for x in jax.tree_util.tree_leaves(diff)):
+            raise TypeError(
+                f"No floating-point array leaves to differentiate in the argument(s) "
+                f"argnums={self.argnums!r}. Gradients are taken with respect to float arrays only."
+            )
+        if self.axis_name is not None:
+            diff = jax.tree_util.tree_map(lambda x: mark_varying(x, self.axis_name), diff)
+
+        def rebuild(new_diff):
+            full = list(args)
+            for pos, chosen, (_, rest) in zip(positions, new_diff, parts):
+                full[pos] = casting.combine(chosen, rest)
+            return full
+
+        return diff, rebuild
+
+    def no_cast_positions(self, n_args: int) -> list[int]:
+        return resolve_positions(self.no_cast_nums, n_args, "no_cast_argnums", self.no_cast_nums)
+
+    def scaled_loss(self, state: loss_scale.ScalerState, args: Sequence[Any],
+                    kwargs: dict) -> tuple[jax.Array, tuple[jax.Array, Any]]:
+        """Runs the loss on ``args`` and returns ``(scaled_loss, (loss, aux))``, all float32.
+
+        Floating inputs are cast to the compute dtype first, except the
+        arguments in ``no_cast_argnums``. The loss is converted to float32
+        *before* it is multiplied by the scale, so the product cannot overflow
+        float16; floating aux leaves come back in float32.
+        """
+        args = list(args)
+        if self.input_dtype is not None:
+            keep = set(self.no_cast_positions(len(args)))
+            cast = [a for i, a in enumerate(args) if i not in keep]
+            cast, kwargs = casting.cast_tree((cast, kwargs), self.input_dtype)
+            it = iter(cast)
+            args = [a if i in keep else next(it) for i, a in enumerate(args)]
+        loss, aux = split_aux(self.call(*args, **kwargs), self.has_aux)
+        loss = check_loss(loss).astype(jnp.float32)
+        if not self.use_mixed_precision:
+            return loss, (loss, aux)
+        return loss_scale.scale(state, loss), (loss, casting.cast_to_float32(aux))
+
+    def unscale(self, state: loss_scale.ScalerState, grads: PyTree, diff: PyTree,
+                divisor: int = 1) -> PyTree:
+        """Divides summed scaled gradients by the scale (in float32) and by ``divisor``.
+
+        Each gradient comes back in the dtype of the leaf of ``diff`` it belongs to.
+        """
+        if self.use_mixed_precision:
+            grads = loss_scale.unscale(state, grads)
+        if divisor != 1:
+            grads = jax.tree_util.tree_map(
+                lambda g: g * jnp.asarray(1.0 / divisor, g.dtype), grads)
+        return jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, diff)
+
+    def finish(self, loss: jax.Array, aux: Any, grads: PyTree,
+               state: loss_scale.ScalerState) -> tuple[Any, PyTree, loss_scale.ScalerState, jax.Array]:
+        """The end of every step, once the gradients are unscaled.
+
+        Averages loss and gradients over ``axis_name``, checks finiteness (the
+        same answer on every device), adjusts the scaler, and packs the results
+        as :func:`jaxmp.mp_value_and_grad` returns them.
+        """
+        if self.axis_name is not None:
+            loss = jax.lax.pmean(loss, self.axis_name)
+            grads = jax.lax.pmean(grads, self.axis_name)
+        finite = loss_scale.all_finite(grads, self.axis_name)
+        if self.use_mixed_precision:
+            state = loss_scale.adjust(state, finite)
+        grads = grads[0] if self.single_argnum else grads
+        value = (loss, aux) if self.has_aux else loss
+        return value, grads, state, finite
