@@ -56,11 +56,10 @@ class ScalerState:
         >>> state = jaxmp.init_scaler(initial_scale=1024.0, growth_interval=100)
         >>> float(state.scale), int(state.skipped_steps), state.growth_interval
         (1024.0, 0, 100)
-        >>> # A pytree: the numbers are its leaves, the settings part of its structure.
-        >>> [x.dtype.name for x in jax.tree_util.tree_leaves(state)]
-        ['float32', 'int32', 'int32', 'int32']
-        >>> jax.tree_util.tree_map(lambda x: x, state).growth_interval
-        100
+        >>> # A pytree: the numbers are its leaves, the settings part of its type.
+        >>> new = jax.jit(jaxmp.adjust)(state, True)
+        >>> int(new.steps_since_overflow), new.growth_interval
+        (1, 100)
     """
 
     scale: jax.Array
