@@ -44,7 +44,7 @@ print(json.dumps(failures))
 
 
 def _docstrings(name):
-    """``(test name, docstring)`` of ``jaxmp.<name>`` and of its methods, for those with examples."""
+    """``(test name, docstring)`` of ``jaxmp.<name>`` and its methods, those with examples."""
     obj = getattr(jaxmp, name)
     finder = doctest.DocTestFinder(recurse=inspect.isclass(obj))
     tests = finder.find(obj, f"jaxmp.{name}", module=False, globs={})
@@ -71,7 +71,8 @@ def test_docstring_examples_run_in_a_fresh_interpreter():
 def test_a_bare_name_fails_in_the_fresh_interpreter():
     """The check above can fail: an example written inside the module's namespace does here."""
     bare = ">>> float(init_scaler(initial_scale=4.0).scale)\n4.0\n"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
     proc = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps([["bare", bare]]),
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     failures = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -83,8 +83,9 @@ def test_get_policy_reads_jmps_own_strings(spec):
     theirs = jmp.get_policy(spec)
     assert str(theirs) == JMP_WRITES[spec][0]  # the strings above are jmp's
     ours = jaxmp.get_policy(str(theirs))
-    assert (ours.param_dtype, ours.compute_dtype, ours.output_dtype) == (
-        jnp.dtype(theirs.param_dtype), jnp.dtype(theirs.compute_dtype), jnp.dtype(theirs.output_dtype))
+    expected = (theirs.param_dtype, theirs.compute_dtype, theirs.output_dtype)
+    assert (ours.param_dtype, ours.compute_dtype, ours.output_dtype) == tuple(
+        jnp.dtype(d) for d in expected)
 
 
 @pytest.mark.parametrize("spec", ["half", "p=full,c=half", "c=half"])

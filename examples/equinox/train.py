@@ -3,10 +3,11 @@
     python -m examples.equinox.train --precision float16
     python -m examples.equinox.train --precision float32 float16 bfloat16  # side by side
 
-(from the repository root). The model is an ordinary Equinox module. The jaxmp part is the training step
-(``make_train_chunk``): the usual ``eqx.partition``/``eqx.combine`` pattern
-around ``jaxmp.mp_value_and_grad`` and ``jaxmp.optimizer_update``, with the
-loss-scaler state carried through ``jax.lax.scan`` like the optimizer state.
+(from the repository root). The model is an ordinary Equinox module. The jaxmp
+part is the training step (``make_train_chunk``): the usual
+``eqx.partition``/``eqx.combine`` pattern around ``jaxmp.mp_value_and_grad``
+and ``jaxmp.optimizer_update``, with the loss-scaler state carried through
+``jax.lax.scan`` like the optimizer state.
 """
 
 from __future__ import annotations

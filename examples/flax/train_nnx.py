@@ -34,7 +34,7 @@ import optax
 import jaxmp
 from examples import cli
 from examples import digits
-from examples import loop
+from examples import training
 
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
@@ -130,11 +130,11 @@ def train_and_evaluate(args, precision: str) -> dict[str, float]:
 
     batches = list(digits.batches(train, args.batch_size, args.steps, seed=args.seed))
     train_step = make_train_step(graphdef, optimizer, precision)
-    ts, loss, seconds_per_step, compile_time = loop.fit(
+    ts, loss, seconds_per_step, compile_time = training.fit(
         "nnx", precision, train_step, ts, batches, args.log_every)
 
     logits = make_predict(graphdef, precision)(ts, test.images)
-    return loop.summarize(ts.scaler, loop.accuracy(logits, test.labels), loss,
+    return training.summarize(ts.scaler, training.accuracy(logits, test.labels), loss,
                           seconds_per_step, compile_time)
 
 
@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
     args = cli.parse_args(__doc__, argv, steps=1000, batch_size=64, width=32,
                           learning_rate=3e-3, seed=0, log_every=50)
     results = {precision: train_and_evaluate(args, precision) for precision in args.precision}
-    print(loop.table(results))
+    print(training.table(results))
     return results
 
 

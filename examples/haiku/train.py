@@ -31,7 +31,7 @@ import optax
 import jaxmp
 from examples import cli
 from examples import digits
-from examples import loop
+from examples import training
 
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
@@ -116,7 +116,7 @@ def accuracy(model, ts: TrainState, split: digits.Split) -> float:
     logits, _ = jax.jit(model.apply, static_argnames="is_training")(
         ts.params, ts.state, split.images, is_training=False
     )
-    return loop.accuracy(logits, split.labels)
+    return training.accuracy(logits, split.labels)
 
 
 def train_and_evaluate(args, precision: str) -> dict[str, float]:
@@ -132,9 +132,9 @@ def train_and_evaluate(args, precision: str) -> dict[str, float]:
 
     batches = list(digits.batches(train, args.batch_size, args.steps, seed=args.seed))
     train_step = make_train_step(model, optimizer, precision)
-    ts, loss, seconds_per_step, compile_time = loop.fit(
+    ts, loss, seconds_per_step, compile_time = training.fit(
         "haiku", precision, train_step, ts, batches, args.log_every)
-    return loop.summarize(ts.scaler, accuracy(model, ts, test), loss, seconds_per_step,
+    return training.summarize(ts.scaler, accuracy(model, ts, test), loss, seconds_per_step,
                           compile_time)
 
 
@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
     args = cli.parse_args(__doc__, argv, steps=1000, batch_size=64, width=32,
                           learning_rate=3e-3, seed=0, log_every=50)
     results = {precision: train_and_evaluate(args, precision) for precision in args.precision}
-    print(loop.table(results))
+    print(training.table(results))
     return results
 
 
