@@ -1,38 +1,30 @@
 """Trains the same Vision Transformer in float32 and in mixed precision, side by side.
 
-    python examples/compare.py [--out DIR]
+    python -m examples.compare [--out DIR] [--precision ...]
 
-The model and the training step are those of ``examples/equinox/train.py``
-(an Equinox ViT on scikit-learn's digits, nothing to download). Each precision
-trains from the same initial weights on the same batches; the script prints a
-comparison table and writes ``DIR/compare.png`` (loss curves and loss-scale
-trajectory) and ``DIR/compare.txt`` (the table). ``DIR`` defaults to
-``$JAXMP_EXAMPLES_OUT`` or ``out/``. ``JAXMP_EXAMPLES_QUICK=1`` runs a few steps
-of a tiny model.
+(from the repository root). The model and the training step are those of
+``examples/equinox/train.py`` (an Equinox ViT on scikit-learn's digits, nothing
+to download), and so are the flags. Each precision trains from the same
+initial weights on the same batches; the script prints a comparison table and
+writes ``DIR/compare.png`` (loss curves and loss-scale trajectory) and
+``DIR/compare.txt`` (the table).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import time
+from typing import Sequence
 
 _start = time.perf_counter()
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
-import matplotlib  # noqa: E402
-
-matplotlib.use("Agg")  # files only, no display needed
-import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "equinox"))
-import train as vit_example  # noqa: E402  (examples/equinox/train.py)
-
-import digits  # noqa: E402  (examples/digits.py)
 import jaxmp  # noqa: E402
+from examples import cli  # noqa: E402
+from examples.equinox import train as vit_example  # noqa: E402
 
 
 def saved_activation_bytes(precision: str, config: vit_example.Config) -> int:
@@ -52,27 +44,23 @@ def saved_activation_bytes(precision: str, config: vit_example.Config) -> int:
 
 
 def table(results, memory, config) -> str:
+    """The Equinox example's table, with the saved-activation memory after the times."""
     names = [r.precision for r in results]
-    tail = config.chunk
-    rows = [
-        ("test accuracy", [f"{100 * r.accuracy:.2f}%" for r in results]),
-        (f"final train loss (mean of last {tail} steps)",
-         [f"{r.losses[-tail:].mean():.4f}" for r in results]),
-        (f"time per step (ms, {jax.default_backend()})",
-         [f"{1000 * r.seconds_per_step:.2f}" for r in results]),
+    rows = vit_example.rows(results, config)
+    rows[3:3] = [
         ("saved activations per step (KiB)", [f"{memory[n] / 1024:.1f}" for n in names]),
         ("saved activations, float32 / this", [f"{memory['float32'] / memory[n]:.2f}x"
                                                if "float32" in memory else "-" for n in names]),
-        ("skipped steps", [str(r.skipped_steps) for r in results]),
-        ("final loss scale", [f"{r.final_scale:.0f}" for r in results]),
     ]
-    width = max(len(label) for label, _ in rows)
-    lines = [" " * width + "".join(f"{n:>12}" for n in names)]
-    lines += [label.ljust(width) + "".join(f"{v:>12}" for v in values) for label, values in rows]
-    return "\n".join(lines)
+    return cli.table(names, rows)
 
 
 def plot(results, path: str, smooth: int) -> None:
+    import matplotlib  # imported here: not needed by --help
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
     fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(11, 4))
     unscaled = []
     for r in results:
@@ -103,15 +91,9 @@ def plot(results, path: str, smooth: int) -> None:
     plt.close(fig)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("JAXMP_EXAMPLES_OUT", "out"),
-                        help="directory for compare.png and compare.txt")
-    parser.add_argument("--precisions", default="float32,float16,bfloat16",
-                        help="comma-separated, float32 first for the ratios")
-    args = parser.parse_args()
-    config = vit_example.QUICK if digits.quick() else vit_example.Config()
-    precisions = args.precisions.split(",")
+def main(argv: Sequence[str] | None = None) -> None:
+    args, config = vit_example.parse_args(__doc__, argv, precision=cli.PRECISIONS, out="out")
+    precisions = args.precision
 
     print(f"Equinox ViT on the digits data: {config.steps} steps of batch {config.batch_size}, "
           f"dim {config.dim}, depth {config.depth}, patches {config.patch}x{config.patch}")

@@ -6,11 +6,9 @@ nothing is downloaded. The split is fixed (seeded), so runs are comparable.
 
 from __future__ import annotations
 
-import os
 from typing import Iterator, NamedTuple
 
 import numpy as np
-from sklearn.datasets import load_digits
 
 
 class Split(NamedTuple):
@@ -20,6 +18,8 @@ class Split(NamedTuple):
 
 def load(test_fraction: float = 0.2, seed: int = 0) -> tuple[Split, Split]:
     """Returns the (train, test) splits of the digits data set."""
+    from sklearn.datasets import load_digits  # imported here: a second or two, not needed by --help
+
     digits = load_digits()
     images = (digits.images / 16.0).astype(np.float32)[..., None]
     labels = digits.target.astype(np.int32)
@@ -54,7 +54,3 @@ def batches(split: Split, batch_size: int, num_steps: int, seed: int = 0) -> Ite
     for i in range(num_steps):
         yield Split(stacked.images[i], stacked.labels[i])
 
-
-def quick() -> bool:
-    """Whether ``JAXMP_EXAMPLES_QUICK`` asks for a few steps of a tiny model (the smoke tests)."""
-    return os.environ.get("JAXMP_EXAMPLES_QUICK", "") not in ("", "0")

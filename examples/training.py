@@ -1,14 +1,13 @@
 """The ordinary training-script part of the Haiku and Flax examples.
 
-The command-line flags, the compile-then-time loop with its progress bar and
-the printed summary are the same for every framework; each example keeps its
-own jaxmp adapter (scaler, train state, train step, prediction) in plain view
-and hands the pieces to these functions.
+The compile-then-time loop with its progress bar and the summary table are the
+same for every framework; each example keeps its own jaxmp adapter (scaler,
+train state, train step, prediction) in plain view and hands the pieces to
+these functions.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Any, Callable, Sequence
 
@@ -17,35 +16,8 @@ import numpy as np
 from tqdm import tqdm
 
 import jaxmp
-import digits
-
-PRECISIONS = ("float32", "float16", "bfloat16")
-
-
-def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parses the flags shared by the examples.
-
-    Args:
-      description: the text shown by ``--help``; only its first line is used,
-        so an example can pass its module docstring.
-      argv: the arguments; ``None`` reads ``sys.argv``.
-
-    Returns:
-      The parsed flags. ``JAXMP_EXAMPLES_QUICK`` (see ``digits.quick``) makes
-      the defaults a few steps of a tiny model.
-    """
-    quick = digits.quick()
-    parser = argparse.ArgumentParser(description=description.split("\n")[0])
-    parser.add_argument("--precision", nargs="+", choices=PRECISIONS,
-                        default=["float16"], help="one or more, trained one after the other")
-    parser.add_argument("--steps", type=int, default=20 if quick else 1000)
-    parser.add_argument("--log-every", type=int, default=10 if quick else 50,
-                        help="steps between two updates of the loss shown by the progress bar")
-    parser.add_argument("--batch-size", type=int, default=32 if quick else 64)
-    parser.add_argument("--width", type=int, default=4 if quick else 32)
-    parser.add_argument("--learning-rate", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+from examples import cli
+from examples import digits
 
 
 def fit(name: str, precision: str, train_step: Callable, ts: Any,
@@ -74,7 +46,7 @@ def fit(name: str, precision: str, train_step: Callable, ts: Any,
     compile_time = time.perf_counter() - start
 
     start = time.perf_counter()
-    with tqdm(batches, desc=f"{name} {precision}", unit="step") as bar:
+    with tqdm(batches, desc=f"{name} {precision}", unit="step", leave=False) as bar:
         for i, batch in enumerate(bar):
             ts, loss = compiled(ts, batch)
             if (i + 1) % log_every == 0 or i + 1 == len(batches):
@@ -91,35 +63,27 @@ def accuracy(logits: jax.Array, labels: np.ndarray) -> float:
     return float(np.mean(np.argmax(np.asarray(logits), axis=-1) == labels))
 
 
-def summarize(precision: str, scaler: jaxmp.ScalerState, accuracy: float, loss: jax.Array,
-              seconds_per_step: float, compile_time: float, steps: int) -> dict[str, float]:
-    """Prints the summary of one run and returns its numbers.
-
-    Args:
-      precision: the name of the compute dtype.
-      scaler: the final loss-scaler state.
-      accuracy: the test accuracy, a fraction.
-      loss: the loss of the last step.
-      seconds_per_step: the mean time of a step, compilation excluded.
-      compile_time: the time to compile the step, in seconds.
-      steps: the number of steps run.
-
-    Returns:
-      ``test_accuracy``, ``final_loss``, ``ms_per_step``, ``skipped_steps``
-      and ``loss_scale``.
-    """
-    result = {
+def summarize(scaler: jaxmp.ScalerState, accuracy: float, loss: jax.Array,
+              seconds_per_step: float, compile_time: float) -> dict[str, float]:
+    """The numbers of one run, as :func:`table` shows them."""
+    return {
         "test_accuracy": accuracy,
         "final_loss": float(loss),
         "ms_per_step": 1000 * seconds_per_step,
+        "compile_s": compile_time,
         "skipped_steps": int(scaler.skipped_steps),
         "loss_scale": float(scaler.scale),
     }
-    print(f"\nprecision      {precision}")
-    print(f"test accuracy  {100 * result['test_accuracy']:.2f}%")
-    print(f"final loss     {result['final_loss']:.4f}")
-    print(f"time per step  {result['ms_per_step']:.2f} ms  "
-          f"(compile {compile_time:.1f} s, {steps} steps)")
-    print(f"skipped steps  {result['skipped_steps']}")
-    print(f"loss scale     {result['loss_scale']:g}")
-    return result
+
+
+def table(results: dict[str, dict[str, float]]) -> str:
+    """The side-by-side table of :func:`summarize` results, one column per precision."""
+    runs = list(results.values())
+    return cli.table(list(results), [
+        ("test accuracy", [f"{100 * r['test_accuracy']:.2f}%" for r in runs]),
+        ("final loss", [f"{r['final_loss']:.4f}" for r in runs]),
+        (f"time per step, {jax.default_backend()} (compilation)",
+         [f"{r['ms_per_step']:.2f} ms ({r['compile_s']:.1f} s)" for r in runs]),
+        ("skipped steps", [str(r["skipped_steps"]) for r in runs]),
+        ("final loss scale", [f"{r['loss_scale']:g}" for r in runs]),
+    ])

@@ -20,6 +20,7 @@ from jaxmp._src.loss_scale import all_finite
 from jaxmp._src.loss_scale import init_scaler
 from jaxmp._src.loss_scale import noop_scaler
 from jaxmp._src.loss_scale import scale
+from jaxmp._src.loss_scale import scaler_for
 from jaxmp._src.loss_scale import ScalerState
 from jaxmp._src.loss_scale import scaler_metrics
 from jaxmp._src.loss_scale import static_scaler
@@ -55,6 +56,7 @@ __all__ = (
     "Policy",
     "scale",
     "saved_activation_bytes",
+    "scaler_for",
     "ScalerState",
     "scaler_metrics",
     "select_tree",

@@ -97,6 +97,7 @@ def test_count_hlo_ops_counts_instructions_only():
     assert vit.count_hlo_ops(text) == 2
 
 
+@pytest.mark.slow  # about three minutes on 2 CPU cores
 def test_quick_run_writes_results_for_every_variant(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     subprocess.run(

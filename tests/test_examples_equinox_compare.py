@@ -1,6 +1,5 @@
 """The Equinox example and the main command (examples/compare.py), as a user runs them."""
 
-import importlib.util
 import os
 import re
 import shlex
@@ -15,19 +14,15 @@ import numpy as np
 import optax
 import pytest
 
+import jaxmp
+from examples import digits
+from examples.equinox import train as example
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_example():
-    # Loaded under a unique name: other examples also have a train.py.
-    name = "jaxmp_example_equinox_train"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, ROOT / "examples" / "equinox" / "train.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while it executes
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+# A few steps of a tiny model (it learns: well above chance after 60 steps).
+QUICK = dict(steps=60, chunk=20, batch_size=32, learning_rate=1e-2, dim=16, depth=1, heads=2,
+             mlp_dim=32)
+QUICK_FLAGS = [f"--{name.replace('_', '-')}={value}" for name, value in QUICK.items()]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +33,6 @@ def jax_cache(tmp_path_factory):
 def _run(argv, cache, **env):
     env = {
         **os.environ,
-        "JAXMP_EXAMPLES_QUICK": "1",
         # The repo root goes on the path so that `import jaxmp` works without an install.
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         # Speed only: the runs below compile the same small programs (the
@@ -52,25 +46,29 @@ def _run(argv, cache, **env):
     return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["float16", "bfloat16"])
 def test_equinox_example_runs(precision, jax_cache):
-    proc = _run([sys.executable, "examples/equinox/train.py", "--precision", precision], jax_cache)
+    proc = _run([sys.executable, "-m", "examples.equinox.train", "--precision", precision,
+                 *QUICK_FLAGS], jax_cache)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    found = re.search(rf"precision {precision}: test accuracy ([\d.]+)%.*ms/step.*"
-                      r"skipped steps (\d+)", proc.stdout)
+    assert proc.stdout.splitlines()[0].split() == [precision], proc.stdout  # the table's header
+    found = re.search(r"test accuracy\s+([\d.]+)%.*time per step.* ms .*"
+                      r"skipped steps\s+(\d+)", proc.stdout, flags=re.S)
     assert found, proc.stdout
     # A few steps of a tiny model: well above chance (10%), far from trained.
     assert 25.0 < float(found.group(1)) <= 100.0
 
 
+@pytest.mark.slow
 def test_readme_main_command(tmp_path, jax_cache):
     readme = (ROOT / "README.md").read_text()
-    line = next(l for l in readme.splitlines() if "python examples/compare.py" in l)
+    line = next(l for l in readme.splitlines() if "python -m examples.compare" in l)
     command = shlex.split(line.split("&&", 1)[1])
     assert command[0] == "python"
     out = tmp_path / "out"
-    # The output directory comes from the environment, so the command runs as written.
-    proc = _run([sys.executable, *command[1:]], jax_cache, JAXMP_EXAMPLES_OUT=str(out))
+    # The command as written, made small and pointed at a temporary directory.
+    proc = _run([sys.executable, *command[1:], *QUICK_FLAGS, f"--out={out}"], jax_cache)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for row in ("test accuracy", "final train loss", "time per step", "saved activations",
                 "float32 / this", "skipped steps", "final loss scale"):
@@ -88,9 +86,7 @@ def test_readme_main_command(tmp_path, jax_cache):
 
 @pytest.mark.parametrize("precision, rtol", [("float16", 1e-2), ("bfloat16", 5e-2)])
 def test_mixed_precision_step_matches_float32_gradients(precision, rtol):
-    example = _load_example()
-    digits = sys.modules["digits"]  # examples/digits.py, imported by the example
-    config = example.QUICK
+    config = example.Config(**QUICK)
     params, static, _ = example.build(config)
     train_split, _ = digits.load()
     batch = digits.epoch_batches(train_split, 32, num_steps=1)
@@ -104,7 +100,8 @@ def test_mixed_precision_step_matches_float32_gradients(precision, rtol):
     # One jitted step of the example's own training chunk, with SGD at learning
     # rate 1, so that params - new_params are the gradients it applied.
     optimizer = optax.sgd(1.0)
-    state = example.TrainState(params, optimizer.init(params), example.init_scaler(precision))
+    scaler = jaxmp.scaler_for(example.DTYPES[precision], growth_interval=config.growth_interval)
+    state = example.TrainState(params, optimizer.init(params), scaler)
     train_chunk = example.make_train_chunk(static, optimizer, precision)
     new_state, (loss, scale, finite) = train_chunk(state, batch)
     assert bool(finite[0])

@@ -7,8 +7,9 @@ mixed-precision step, a non-finite step leaves everything unchanged, and the
 step compiles once.
 """
 
-import importlib.util
+import importlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,46 +23,61 @@ import pytest
 from flax import nnx
 
 import jaxmp
+from examples import digits
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = {
-    "haiku": ROOT / "examples" / "haiku" / "train.py",
-    "linen": ROOT / "examples" / "flax" / "train_linen.py",
-    "nnx": ROOT / "examples" / "flax" / "train_nnx.py",
+    "haiku": "examples.haiku.train",
+    "linen": "examples.flax.train_linen",
+    "nnx": "examples.flax.train_nnx",
 }
+# A few steps of a tiny model: the smoke tests check that the examples run.
+QUICK_FLAGS = ["--steps=20", "--log-every=10", "--batch-size=32", "--width=4"]
 # Unoptimised XLA code compiles in half the time; these tests check what the
 # examples compute, not how fast.
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def _load(name):
-    path = EXAMPLES[name]
-    module_name = f"_example_{name}"
-    if module_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module  # dataclasses (linen modules) look themselves up here
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
+    return importlib.import_module(EXAMPLES[name])
 
 
+def _read_table(stdout, columns):
+    """``{row label: [cell per column]}`` of the table that the examples print."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split() == columns)
+    rows = {}
+    for line in lines[start + 1:]:
+        if not line.strip():
+            break
+        # Labels and cells hold single spaces; columns are at least two apart.
+        label, *cells = re.split(r"\s{2,}", line.strip())
+        assert len(cells) == len(columns), line
+        rows[label] = cells
+    return rows
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_example_runs(name):
     env = dict(os.environ)
-    env["JAXMP_EXAMPLES_QUICK"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     # The smoke test checks that the example runs end to end, not its speed.
     flags = [env.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]
     env["XLA_FLAGS"] = " ".join(filter(None, flags))
     proc = subprocess.run(
-        [sys.executable, str(EXAMPLES[name]), "--precision", "float16", "bfloat16"],
+        [sys.executable, "-m", EXAMPLES[name], "--precision", "float16", "bfloat16", *QUICK_FLAGS],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # One summary per precision: "name  value" lines, names padded to 15 characters.
+    # One table, a column per precision; read back as one summary per precision.
+    rows = _read_table(proc.stdout, ["float16", "bfloat16"])
+    time_row = next(label for label in rows if label.startswith("time per step"))
     summaries = [
-        {line[:15].strip(): line[15:].strip() for line in block.strip().splitlines()}
-        for block in proc.stdout.split("\n\n") if block.strip().startswith("precision")
+        {"precision": precision, "test accuracy": rows["test accuracy"][i],
+         "skipped steps": rows["skipped steps"][i], "time per step": rows[time_row][i],
+         "loss scale": rows["final loss scale"][i]}
+        for i, precision in enumerate(["float16", "bfloat16"])
     ]
     assert [s["precision"] for s in summaries] == ["float16", "bfloat16"]
     for summary in summaries:
@@ -83,7 +99,7 @@ def _haiku_setup(precision):
     images = jnp.asarray(_batch().images)
     init = jax.jit(model.init, static_argnames="is_training", compiler_options=FAST_COMPILE)
     params, state = init(jax.random.key(0), images[:1], is_training=True)
-    ts = ex.TrainState(params, state, optimizer.init(params), ex.new_scaler(precision))
+    ts = ex.TrainState(params, state, optimizer.init(params), jaxmp.scaler_for(precision))
     return ex, ex.make_train_step(model, optimizer, precision), ts, "state"
 
 
@@ -94,7 +110,7 @@ def _linen_setup(precision):
     init = jax.jit(model.init, static_argnames="train", compiler_options=FAST_COMPILE)
     variables = init(jax.random.key(0), jnp.asarray(_batch().images[:1]), train=False)
     params, stats = variables["params"], variables["batch_stats"]
-    ts = ex.TrainState(params, stats, optimizer.init(params), ex.new_scaler(precision))
+    ts = ex.TrainState(params, stats, optimizer.init(params), jaxmp.scaler_for(precision))
     return ex, ex.make_train_step(model, optimizer, precision), ts, "batch_stats"
 
 
@@ -102,7 +118,7 @@ def _nnx_setup(precision):
     ex = _load("nnx")
     graphdef, params, stats = nnx.split(ex.CNN(4, rngs=nnx.Rngs(0)), nnx.Param, nnx.BatchStat)
     optimizer = optax.adam(1e-3)
-    ts = ex.TrainState(params, stats, optimizer.init(params), ex.new_scaler(precision))
+    ts = ex.TrainState(params, stats, optimizer.init(params), jaxmp.scaler_for(precision))
     return ex, ex.make_train_step(graphdef, optimizer, precision), ts, "batch_stats"
 
 
@@ -114,7 +130,6 @@ SETUPS = {"haiku": _haiku_setup, "linen": _linen_setup, "nnx": _nnx_setup}
 
 
 def _batch():
-    digits = _load("haiku").digits
     train, _ = digits.load()
     return next(digits.batches(train, batch_size=16, num_steps=1, seed=0))
 
@@ -123,8 +138,8 @@ def _batch():
 def _no_haiku_policies():
     yield
     hk.mixed_precision.clear_policy(hk.BatchNorm)
-    if "_example_haiku" in sys.modules:
-        hk.mixed_precision.clear_policy(sys.modules["_example_haiku"].CNN)
+    if EXAMPLES["haiku"] in sys.modules:
+        hk.mixed_precision.clear_policy(sys.modules[EXAMPLES["haiku"]].CNN)
 
 
 def _float_leaves(tree):

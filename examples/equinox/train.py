@@ -1,20 +1,19 @@
-"""A Vision Transformer in Equinox, trained on the digits data in mixed precision.
+"""Equinox: a Vision Transformer trained on the digits in float32, float16 or bfloat16.
 
-    python examples/equinox/train.py --precision float16
+    python -m examples.equinox.train --precision float16
+    python -m examples.equinox.train --precision float32 float16 bfloat16  # side by side
 
-The model is an ordinary Equinox module. The jaxmp part is the training step
-(``make_train_chunk``): the usual ``eqx.partition``/``eqx.combine`` pattern
-around ``jaxmp.mp_value_and_grad`` and ``jaxmp.optimizer_update``, with the
-loss-scaler state carried through ``jax.lax.scan`` like the optimizer state.
+(from the repository root). The model is an ordinary Equinox module. The jaxmp
+part is the training step (``make_train_chunk``): the usual
+``eqx.partition``/``eqx.combine`` pattern around ``jaxmp.mp_value_and_grad``
+and ``jaxmp.optimizer_update``, with the loss-scaler state carried through
+``jax.lax.scan`` like the optimizer state.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import time
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import equinox as eqx
 import jax
@@ -23,10 +22,9 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import digits  # noqa: E402  (examples/digits.py, shared by all examples)
-
-import jaxmp  # noqa: E402
+import jaxmp
+from examples import cli
+from examples import digits
 
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
@@ -133,17 +131,6 @@ def make_train_chunk(static, optimizer, precision):
     return jax.jit(lambda state, batches: jax.lax.scan(step, state, batches))
 
 
-def init_scaler(precision, growth_interval=200):
-    if precision == "float16":
-        # A shorter growth interval than the default 2000, so that a run of a
-        # thousand steps tries larger scales (and shows what an overflow does).
-        return jaxmp.init_scaler(growth_interval=growth_interval)
-    # bfloat16 has float32's exponent range: its gradients do not underflow or
-    # overflow any sooner than float32 ones, so scaling them buys nothing. The
-    # no-op scaler still counts non-finite steps and has them skipped.
-    return jaxmp.noop_scaler()
-
-
 # ------------------------------------------------------------------------ training
 class Config(NamedTuple):
     steps: int = 1000
@@ -155,13 +142,10 @@ class Config(NamedTuple):
     depth: int = 2
     heads: int = 4
     mlp_dim: int = 64
+    # float16 only: shorter than the default 2000, so that a run of a thousand
+    # steps tries larger scales (and shows what an overflow does).
     growth_interval: int = 200
     seed: int = 0
-
-
-# JAXMP_EXAMPLES_QUICK=1 (the smoke tests): a tiny model, a few steps.
-QUICK = Config(steps=60, chunk=20, batch_size=32, learning_rate=1e-2, dim=16, depth=1, heads=2,
-               mlp_dim=32)
 
 
 class Result(NamedTuple):
@@ -194,8 +178,11 @@ def accuracy(model, split: digits.Split, precision: str) -> float:
 def train(precision: str, config: Config, progress: bool = True) -> Result:
     train_split, test_split = digits.load()
     params, static, optimizer = build(config)
-    state = TrainState(params, optimizer.init(params),
-                       init_scaler(precision, config.growth_interval))
+    # Dynamic loss scaling for float16; none for bfloat16 (float32's exponent
+    # range: nothing for a scale to rescue) and float32. Non-finite steps are
+    # skipped in every case.
+    scaler = jaxmp.scaler_for(DTYPES[precision], growth_interval=config.growth_interval)
+    state = TrainState(params, optimizer.init(params), scaler)
     chunk_size = min(config.chunk, config.steps)
     steps = config.steps // chunk_size * chunk_size  # whole chunks: one compiled program
     batches = digits.epoch_batches(train_split, config.batch_size, steps, seed=config.seed)
@@ -227,24 +214,35 @@ def train(precision: str, config: Config, progress: bool = True) -> Result:
                   float(state.scaler.scale), seconds / steps, compile_seconds, model)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--precision", choices=sorted(DTYPES), default="float16")
-    defaults = QUICK if digits.quick() else Config()
-    parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    args = parser.parse_args()
-    config = defaults._replace(steps=args.steps, batch_size=args.batch_size,
-                               learning_rate=args.learning_rate, seed=args.seed)
+def rows(results: Sequence[Result], config: Config) -> list[tuple[str, list[str]]]:
+    """The rows of the side-by-side table, one value per result."""
+    tail = min(config.chunk, config.steps)
+    return [
+        ("test accuracy", [f"{100 * r.accuracy:.2f}%" for r in results]),
+        (f"final train loss (mean of last {tail} steps)",
+         [f"{r.losses[-tail:].mean():.4f}" for r in results]),
+        (f"time per step, {jax.default_backend()} (compilation)",
+         [f"{1000 * r.seconds_per_step:.2f} ms ({r.compile_seconds:.1f} s)" for r in results]),
+        ("skipped steps", [str(r.skipped_steps) for r in results]),
+        ("final loss scale", [f"{r.final_scale:.0f}" for r in results]),
+    ]
 
-    result = train(args.precision, config)
-    print(f"precision {result.precision}: test accuracy {100 * result.accuracy:.2f}%, "
-          f"final loss {result.losses[-config.chunk:].mean():.4f}, "
-          f"{1000 * result.seconds_per_step:.2f} ms/step "
-          f"(+{result.compile_seconds:.1f} s compilation), "
-          f"skipped steps {result.skipped_steps}, final loss scale {result.final_scale:.0f}")
+
+def parse_args(description: str, argv: Sequence[str] | None = None, **more):
+    """The flags of this example (one per :class:`Config` field) and ``more``.
+
+    Returns:
+        ``(args, config)``: the parsed flags and the :class:`Config` they give.
+    """
+    args = cli.parse_args(description, argv, **more, **Config()._asdict())
+    return args, Config(**{name: getattr(args, name) for name in Config._fields})
+
+
+def main(argv: Sequence[str] | None = None) -> list[Result]:
+    args, config = parse_args(__doc__, argv)
+    results = [train(precision, config) for precision in args.precision]
+    print(cli.table(args.precision, rows(results, config)))
+    return results
 
 
 if __name__ == "__main__":

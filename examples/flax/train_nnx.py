@@ -1,15 +1,15 @@
 """Flax (nnx): a small CNN with BatchNorm, trained on the digits in float32, float16 or bfloat16.
 
-    python examples/flax/train_nnx.py --precision float16
-    python examples/flax/train_nnx.py --precision float32 float16 bfloat16  # side by side
+    python -m examples.flax.train_nnx --precision float16
+    python -m examples.flax.train_nnx --precision float32 float16 bfloat16  # side by side
 
-What it shows:
+(from the repository root). What it shows:
 
 * ``nnx.split`` / ``nnx.merge`` around jaxmp's functional core: the module is
   split once into a graph definition, parameters and batch statistics; the
-  loss function merges them back, calls the model and returns the updated
-  statistics through ``jaxmp.mp_value_and_grad(..., has_aux=True)``; they stay
-  float32;
+  loss function takes both, merges them back, calls the model and returns the
+  updated statistics through ``has_aux``. ``no_cast_argnums`` passes the
+  statistics as they are, float32; the new ones are kept only on finite steps;
 * per-module precision without a policy mechanism:
   ``jaxmp.force_full_precision`` runs each BatchNorm in float32 and hands its
   output back in the compute dtype;
@@ -20,16 +20,11 @@ What it shows:
 
 No ``dtype=`` attribute is set on the modules: jaxmp casts the parameters and
 the inputs to the compute dtype, and nnx computes in the dtype of what it gets.
-
-``JAXMP_EXAMPLES_QUICK=1`` runs a few steps of a tiny model (the smoke test).
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 from flax import nnx
 import jax
@@ -37,12 +32,11 @@ import jax.numpy as jnp
 import optax
 
 import jaxmp
+from examples import cli
+from examples import digits
+from examples import training
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import digits  # noqa: E402  (the shared data helper in examples/)
-import training  # noqa: E402  (the shared training loop and summary)
-
-COMPUTE_DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
+DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
 
 class CNN(nnx.Module):
@@ -76,14 +70,6 @@ class CNN(nnx.Module):
 # ---------------------------------------------------------------------------
 
 
-def new_scaler(precision: str) -> jaxmp.ScalerState:
-    if precision == "float16":
-        return jaxmp.init_scaler()  # dynamic: small float16 gradients would flush to zero
-    # float32, and bfloat16 (float32's exponent range: nothing to rescue by scaling);
-    # a non-finite step is still detected and skipped.
-    return jaxmp.noop_scaler()
-
-
 class TrainState(NamedTuple):
     params: Any
     batch_stats: Any  # float32
@@ -92,26 +78,22 @@ class TrainState(NamedTuple):
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer, precision: str):
-    grad_fn_options = dict(
-        has_aux=True,
-        compute_dtype=COMPUTE_DTYPES[precision],
-        use_mixed_precision=precision != "float32",
-    )
+    def loss_fn(params, batch_stats, images, labels):
+        # copy=True: fresh Variables that BatchNorm may update inside this trace.
+        model = nnx.merge(graphdef, params, batch_stats, copy=True)
+        logits = model(images).astype(jnp.float32)  # the softmax in float32
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        return loss, nnx.state(model, nnx.BatchStat)
+
+    # no_cast_argnums=1: the statistics reach the loss in float32, as given;
+    # the parameters (argument 0) and the images are cast to the compute dtype.
+    grad_fn = jaxmp.mp_value_and_grad(
+        loss_fn, has_aux=True, no_cast_argnums=1, compute_dtype=DTYPES[precision],
+        use_mixed_precision=precision != "float32")
 
     def train_step(ts: TrainState, batch: digits.Split):
-        # batch_stats are closed over, not passed as an argument: mp_value_and_grad
-        # casts its arguments to the compute dtype, and the running statistics
-        # must not be rounded to half precision every step.
-        def loss_fn(params, images, labels):
-            # copy=True: fresh Variables that BatchNorm may update inside this trace.
-            model = nnx.merge(graphdef, params, ts.batch_stats, copy=True)
-            logits = model(images).astype(jnp.float32)  # the softmax in float32
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-            return loss, nnx.state(model, nnx.BatchStat)
-
-        grad_fn = jaxmp.mp_value_and_grad(loss_fn, **grad_fn_options)
         (loss, batch_stats), grads, scaler, finite = grad_fn(
-            ts.params, batch.images, batch.labels, scaler_state=ts.scaler)
+            ts.params, ts.batch_stats, batch.images, batch.labels, scaler_state=ts.scaler)
         params, opt_state = jaxmp.optimizer_update(
             ts.params, optimizer, ts.opt_state, grads, finite)
         # A skipped step keeps the old statistics too.
@@ -128,7 +110,7 @@ def make_predict(graphdef: nnx.GraphDef, precision: str):
         model.eval()  # BatchNorm uses the running statistics
         return model(images)
 
-    predict = jaxmp.cast_function(predict, COMPUTE_DTYPES[precision], return_dtype=jnp.float32)
+    predict = jaxmp.cast_function(predict, DTYPES[precision], return_dtype=jnp.float32)
     return jax.jit(lambda ts, images: predict(ts.params, ts.batch_stats, images))
 
 
@@ -137,13 +119,14 @@ def make_predict(graphdef: nnx.GraphDef, precision: str):
 # ---------------------------------------------------------------------------
 
 
-def train_and_evaluate(args: argparse.Namespace, precision: str) -> dict[str, float]:
+def train_and_evaluate(args, precision: str) -> dict[str, float]:
     train, test = digits.load()
 
     model = CNN(args.width, rngs=nnx.Rngs(args.seed))
     graphdef, params, batch_stats = nnx.split(model, nnx.Param, nnx.BatchStat)
     optimizer = optax.adam(optax.cosine_decay_schedule(args.learning_rate, args.steps))
-    ts = TrainState(params, batch_stats, optimizer.init(params), new_scaler(precision))
+    scaler = jaxmp.scaler_for(DTYPES[precision])  # dynamic for float16, none otherwise
+    ts = TrainState(params, batch_stats, optimizer.init(params), scaler)
 
     batches = list(digits.batches(train, args.batch_size, args.steps, seed=args.seed))
     train_step = make_train_step(graphdef, optimizer, precision)
@@ -151,13 +134,16 @@ def train_and_evaluate(args: argparse.Namespace, precision: str) -> dict[str, fl
         "nnx", precision, train_step, ts, batches, args.log_every)
 
     logits = make_predict(graphdef, precision)(ts, test.images)
-    return training.summarize(precision, ts.scaler, training.accuracy(logits, test.labels),
-                              loss, seconds_per_step, compile_time, args.steps)
+    return training.summarize(ts.scaler, training.accuracy(logits, test.labels), loss,
+                          seconds_per_step, compile_time)
 
 
-def main(argv=None) -> dict[str, dict[str, float]]:
-    args = training.parse_args(__doc__, argv)
-    return {precision: train_and_evaluate(args, precision) for precision in args.precision}
+def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
+    args = cli.parse_args(__doc__, argv, steps=1000, batch_size=64, width=32,
+                          learning_rate=3e-3, seed=0, log_every=50)
+    results = {precision: train_and_evaluate(args, precision) for precision in args.precision}
+    print(training.table(results))
+    return results
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """Haiku: a small CNN with BatchNorm, trained on the digits in float32, float16 or bfloat16.
 
-    python examples/haiku/train.py --precision float16
-    python examples/haiku/train.py --precision float32 float16 bfloat16  # side by side
+    python -m examples.haiku.train --precision float16
+    python -m examples.haiku.train --precision float32 float16 bfloat16  # side by side
 
-What it shows:
+(from the repository root). What it shows:
 
-* a ``hk.transform_with_state`` model whose state (the BatchNorm statistics)
-  comes back through ``jaxmp.mp_value_and_grad(..., has_aux=True)`` and stays
-  float32;
+* a ``hk.transform_with_state`` model trained the way Haiku's own loops are
+  written: the state (the BatchNorm statistics) is an argument of the loss and
+  comes back through ``has_aux``. ``no_cast_argnums`` passes it to the loss
+  as it is, float32, while parameters and images are cast to half precision;
+  the new state is kept only when the step's gradients are finite;
 * Haiku's own per-module precision driven by ``jaxmp.Policy`` values: the
   network computes in half precision and returns float32 logits, BatchNorm
   computes in float32;
@@ -15,16 +17,11 @@ What it shows:
   like any other state. (Not ``lax.scan`` over steps: on XLA:CPU, convolutions
   inside a loop body run some 50x slower than the same step called from Python,
   jax-ml/jax#12868.)
-
-``JAXMP_EXAMPLES_QUICK=1`` runs a few steps of a tiny model (the smoke test).
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import haiku as hk
 import jax
@@ -32,12 +29,11 @@ import jax.numpy as jnp
 import optax
 
 import jaxmp
+from examples import cli
+from examples import digits
+from examples import training
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import digits  # noqa: E402  (the shared data helper in examples/)
-import training  # noqa: E402  (the shared training loop and summary)
-
-HALF = {"float16": jnp.float16, "bfloat16": jnp.bfloat16}
+DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
 
 class CNN(hk.Module):
@@ -81,14 +77,6 @@ def set_haiku_policies(precision: str) -> None:
     hk.mixed_precision.set_policy(hk.BatchNorm, bn_policy)
 
 
-def new_scaler(precision: str) -> jaxmp.ScalerState:
-    if precision == "float16":
-        return jaxmp.init_scaler()  # dynamic: small float16 gradients would flush to zero
-    # float32, and bfloat16 (float32's exponent range: nothing to rescue by scaling);
-    # a non-finite step is still detected and skipped.
-    return jaxmp.noop_scaler()
-
-
 class TrainState(NamedTuple):
     params: Any
     state: Any  # Haiku state: the BatchNorm statistics, float32
@@ -97,24 +85,20 @@ class TrainState(NamedTuple):
 
 
 def make_train_step(model: hk.TransformedWithState, optimizer, precision: str):
-    grad_fn_options = dict(
-        has_aux=True,
-        compute_dtype=HALF.get(precision, jnp.float32),
-        use_mixed_precision=precision != "float32",
-    )
+    def loss_fn(params, state, images, labels):
+        logits, state = model.apply(params, state, images, is_training=True)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        return loss, state
+
+    # no_cast_argnums=1: the Haiku state reaches the loss in float32, as given;
+    # the parameters (argument 0) and the images are cast to the compute dtype.
+    grad_fn = jaxmp.mp_value_and_grad(
+        loss_fn, has_aux=True, no_cast_argnums=1, compute_dtype=DTYPES[precision],
+        use_mixed_precision=precision != "float32")
 
     def train_step(ts: TrainState, batch: digits.Split):
-        # The Haiku state is closed over, not passed as an argument:
-        # mp_value_and_grad casts its arguments to the compute dtype, and the
-        # running statistics must not be rounded to half precision every step.
-        def loss_fn(params, images, labels):
-            logits, state = model.apply(params, ts.state, images, is_training=True)
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-            return loss, state
-
-        grad_fn = jaxmp.mp_value_and_grad(loss_fn, **grad_fn_options)
         (loss, state), grads, scaler, finite = grad_fn(
-            ts.params, batch.images, batch.labels, scaler_state=ts.scaler)
+            ts.params, ts.state, batch.images, batch.labels, scaler_state=ts.scaler)
         params, opt_state = jaxmp.optimizer_update(
             ts.params, optimizer, ts.opt_state, grads, finite)
         state = jaxmp.select_tree(finite, state, ts.state)  # a skipped step keeps old statistics
@@ -135,7 +119,7 @@ def accuracy(model, ts: TrainState, split: digits.Split) -> float:
     return training.accuracy(logits, split.labels)
 
 
-def train_and_evaluate(args: argparse.Namespace, precision: str) -> dict[str, float]:
+def train_and_evaluate(args, precision: str) -> dict[str, float]:
     train, test = digits.load()
 
     set_haiku_policies(precision)
@@ -143,20 +127,23 @@ def train_and_evaluate(args: argparse.Namespace, precision: str) -> dict[str, fl
     optimizer = optax.adam(optax.cosine_decay_schedule(args.learning_rate, args.steps))
     init = jax.jit(model.init, static_argnames="is_training")
     params, state = init(jax.random.key(args.seed), train.images[:1], is_training=True)
-    ts = TrainState(params, state, optimizer.init(params), new_scaler(precision))
+    scaler = jaxmp.scaler_for(DTYPES[precision])  # dynamic for float16, none otherwise
+    ts = TrainState(params, state, optimizer.init(params), scaler)
 
     batches = list(digits.batches(train, args.batch_size, args.steps, seed=args.seed))
     train_step = make_train_step(model, optimizer, precision)
     ts, loss, seconds_per_step, compile_time = training.fit(
         "haiku", precision, train_step, ts, batches, args.log_every)
+    return training.summarize(ts.scaler, accuracy(model, ts, test), loss, seconds_per_step,
+                          compile_time)
 
-    return training.summarize(precision, ts.scaler, accuracy(model, ts, test),
-                              loss, seconds_per_step, compile_time, args.steps)
 
-
-def main(argv=None) -> dict[str, dict[str, float]]:
-    args = training.parse_args(__doc__, argv)
-    return {precision: train_and_evaluate(args, precision) for precision in args.precision}
+def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
+    args = cli.parse_args(__doc__, argv, steps=1000, batch_size=64, width=32,
+                          learning_rate=3e-3, seed=0, log_every=50)
+    results = {precision: train_and_evaluate(args, precision) for precision in args.precision}
+    print(training.table(results))
+    return results
 
 
 if __name__ == "__main__":

@@ -71,9 +71,10 @@ def is_float_array(x: Any) -> bool:
 
     Examples:
         >>> import jax, jax.numpy as jnp
-        >>> is_float_array(jnp.ones(2)), is_float_array(jnp.arange(2))
+        >>> import jaxmp
+        >>> jaxmp.is_float_array(jnp.ones(2)), jaxmp.is_float_array(jnp.arange(2))
         (True, False)
-        >>> is_float_array(jax.random.key(0)), is_float_array(1.0)
+        >>> jaxmp.is_float_array(jax.random.key(0)), jaxmp.is_float_array(1.0)
         (False, False)
     """
     return is_array(x) and is_float_dtype(x.dtype)
@@ -129,8 +130,9 @@ def cast_tree(tree: PyTree, dtype: Any) -> PyTree:
 
     Examples:
         >>> import jax, jax.numpy as jnp
+        >>> import jaxmp
         >>> tree = {"w": jnp.ones(2), "step": jnp.array(3), "key": jax.random.key(0)}
-        >>> out = cast_tree(tree, jnp.bfloat16)
+        >>> out = jaxmp.cast_tree(tree, jnp.bfloat16)
         >>> out["w"].dtype, out["step"].dtype
         (dtype(bfloat16), dtype('int32'))
     """
@@ -139,17 +141,42 @@ def cast_tree(tree: PyTree, dtype: Any) -> PyTree:
 
 
 def cast_to_float16(tree: PyTree) -> PyTree:
-    """Casts the floating-point array leaves of ``tree`` to float16."""
+    """Casts the floating-point array leaves of ``tree`` to float16.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jaxmp
+        >>> out = jaxmp.cast_to_float16({"w": jnp.ones(2), "step": jnp.array(3)})
+        >>> out["w"].dtype, out["step"].dtype
+        (dtype('float16'), dtype('int32'))
+    """
     return cast_tree(tree, jnp.float16)
 
 
 def cast_to_bfloat16(tree: PyTree) -> PyTree:
-    """Casts the floating-point array leaves of ``tree`` to bfloat16."""
+    """Casts the floating-point array leaves of ``tree`` to bfloat16.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jaxmp
+        >>> out = jaxmp.cast_to_bfloat16({"w": jnp.ones(2), "step": jnp.array(3)})
+        >>> out["w"].dtype, out["step"].dtype
+        (dtype(bfloat16), dtype('int32'))
+    """
     return cast_tree(tree, jnp.bfloat16)
 
 
 def cast_to_float32(tree: PyTree) -> PyTree:
-    """Casts the floating-point array leaves of ``tree`` to float32."""
+    """Casts the floating-point array leaves of ``tree`` to float32.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jaxmp
+        >>> grads = {"w": jnp.ones(2, jnp.float16), "count": jnp.array(3)}
+        >>> out = jaxmp.cast_to_float32(grads)
+        >>> out["w"].dtype, out["count"].dtype
+        (dtype('float32'), dtype('int32'))
+    """
     return cast_tree(tree, jnp.float32)
 
 
@@ -166,7 +193,8 @@ def cast_to_half_precision(tree: PyTree, dtype: Any = jnp.float16) -> PyTree:
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> cast_to_half_precision(jnp.ones(2), jnp.bfloat16).dtype
+        >>> import jaxmp
+        >>> jaxmp.cast_to_half_precision(jnp.ones(2), jnp.bfloat16).dtype
         dtype(bfloat16)
     """
     dtype = canonical_float_dtype(dtype, allowed=HALF_DTYPES, what="dtype")
@@ -190,7 +218,8 @@ def cast_function(fn: Callable, dtype: Any, return_dtype: Any = None) -> Callabl
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> f = cast_function(lambda x, y: x @ y, jnp.float16, return_dtype=jnp.float32)
+        >>> import jaxmp
+        >>> f = jaxmp.cast_function(lambda x, y: x @ y, jnp.float16, return_dtype=jnp.float32)
         >>> f(jnp.ones((2, 2)), jnp.ones(2)).dtype
         dtype('float32')
     """
@@ -222,10 +251,11 @@ def force_full_precision(fn: Callable, return_dtype: Any = None) -> Callable:
 
     Examples:
         >>> import jax.numpy as jnp
+        >>> import jaxmp
         >>> x = jnp.full((1000,), 100.0, jnp.float16)
         >>> bool(jnp.isinf(jnp.sum(x)))  # 100,000 does not fit in float16
         True
-        >>> mean = force_full_precision(jnp.mean, return_dtype=jnp.float16)
+        >>> mean = jaxmp.force_full_precision(jnp.mean, return_dtype=jnp.float16)
         >>> float(mean(x)), mean(x).dtype
         (100.0, dtype('float16'))
     """

@@ -64,8 +64,8 @@ def saved_activation_bytes(
         >>> def loss(w, x):
         ...     return jnp.sum(jnp.tanh(x @ w))
         >>> w, x = jnp.ones((64, 64)), jnp.ones((128, 64))
-        >>> full = saved_activation_bytes(loss, w, x)
-        >>> half = saved_activation_bytes(jaxmp.cast_function(loss, jnp.float16), w, x)
+        >>> full = jaxmp.saved_activation_bytes(loss, w, x)
+        >>> half = jaxmp.saved_activation_bytes(jaxmp.cast_function(loss, jnp.float16), w, x)
         >>> full / half
         2.0
     """
@@ -150,7 +150,9 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> matmul_flops(lambda a, b: a @ b, jnp.ones((2, 3), jnp.float16), jnp.ones((3, 4), jnp.float16))
+        >>> import jaxmp
+        >>> a, b = jnp.ones((2, 3), jnp.float16), jnp.ones((3, 4), jnp.float16)
+        >>> jaxmp.matmul_flops(lambda a, b: a @ b, a, b)  # 2 * 2*3*4 multiply-adds
         {'float16': 48}
     """
     dynamic, static = casting.partition((args, kwargs), _is_dynamic)
@@ -180,9 +182,9 @@ def half_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", **k
         >>> def f(w, x):
         ...     return jnp.sum(x @ w)
         >>> w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
-        >>> half_matmul_flop_share(f, w, x)
+        >>> jaxmp.half_matmul_flop_share(f, w, x)
         0.0
-        >>> half_matmul_flop_share(jaxmp.cast_function(f, jnp.float16), w, x)
+        >>> jaxmp.half_matmul_flop_share(jaxmp.cast_function(f, jnp.float16), w, x)
         1.0
     """
     totals = matmul_flops(fn, *args, platform=platform, **kwargs)

@@ -50,6 +50,17 @@ class ScalerState:
         mode: ``"dynamic"``, ``"static"`` or ``"none"`` (static field).
         growth_interval, growth_factor, backoff_factor, min_scale, max_scale,
         hysteresis: the settings (static fields).
+
+    Examples:
+        >>> import jax
+        >>> import jaxmp
+        >>> state = jaxmp.init_scaler(initial_scale=1024.0, growth_interval=100)
+        >>> float(state.scale), int(state.skipped_steps), state.growth_interval
+        (1024.0, 0, 100)
+        >>> # A pytree: the numbers are its leaves, the settings part of its type.
+        >>> new = jax.jit(jaxmp.adjust)(state, True)
+        >>> int(new.steps_since_overflow), new.growth_interval
+        (1, 100)
     """
 
     scale: jax.Array
@@ -128,11 +139,12 @@ def init_scaler(
         ValueError: if a setting is out of range, e.g. ``backoff_factor=2``.
 
     Examples:
-        >>> state = init_scaler(initial_scale=1024.0, growth_interval=2)
-        >>> state = adjust(adjust(state, True), True)
+        >>> import jaxmp
+        >>> state = jaxmp.init_scaler(initial_scale=1024.0, growth_interval=2)
+        >>> state = jaxmp.adjust(jaxmp.adjust(state, True), True)
         >>> float(state.scale)
         2048.0
-        >>> float(adjust(state, False).scale)
+        >>> float(jaxmp.adjust(state, False).scale)
         1024.0
     """
     initial_scale = _check_number("initial_scale", initial_scale)
@@ -180,8 +192,9 @@ def static_scaler(scale: float) -> ScalerState:
     skipped, but the scale never changes.
 
     Examples:
-        >>> state = static_scaler(128.0)
-        >>> float(adjust(state, False).scale)
+        >>> import jaxmp
+        >>> state = jaxmp.static_scaler(128.0)
+        >>> float(jaxmp.adjust(state, False).scale)
         128.0
     """
     scale = _check_number("scale", scale)
@@ -199,8 +212,12 @@ def noop_scaler() -> ScalerState:
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> float(scale(noop_scaler(), jnp.asarray(3.0)))
+        >>> import jaxmp
+        >>> state = jaxmp.noop_scaler()
+        >>> float(jaxmp.scale(state, jnp.asarray(3.0)))
         3.0
+        >>> int(jaxmp.adjust(state, False).skipped_steps)  # a non-finite step is still counted
+        1
     """
     return _make_state(1.0, "none", min_scale=1.0, max_scale=1.0)
 
@@ -242,8 +259,9 @@ def scale(state: ScalerState, tree: PyTree) -> PyTree:
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> state = init_scaler(initial_scale=8192.0)
-        >>> scaled = scale(state, jnp.asarray(12.0, jnp.float16))
+        >>> import jaxmp
+        >>> state = jaxmp.init_scaler(initial_scale=8192.0)
+        >>> scaled = jaxmp.scale(state, jnp.asarray(12.0, jnp.float16))
         >>> float(scaled), scaled.dtype
         (98304.0, dtype('float32'))
     """
@@ -258,8 +276,9 @@ def unscale(state: ScalerState, tree: PyTree) -> PyTree:
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> state = init_scaler(initial_scale=1024.0)
-        >>> g = unscale(state, {"w": jnp.full((2,), 2048.0, jnp.float16)})
+        >>> import jaxmp
+        >>> state = jaxmp.init_scaler(initial_scale=1024.0)
+        >>> g = jaxmp.unscale(state, {"w": jnp.full((2,), 2048.0, jnp.float16)})
         >>> g["w"].dtype, float(g["w"][0])
         (dtype('float32'), 2.0)
     """
@@ -297,6 +316,17 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
 
     Returns:
         The new :class:`ScalerState`.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> import jaxmp
+        >>> state = jaxmp.init_scaler(initial_scale=8.0, growth_interval=2)
+        >>> state = jaxmp.adjust(state, jnp.asarray(False))  # overflow: back off, count it
+        >>> float(state.scale), int(state.skipped_steps)
+        (4.0, 1)
+        >>> step = jax.jit(jaxmp.adjust)  # traceable; two finite steps grow the scale
+        >>> float(step(step(state, jnp.asarray(True)), jnp.asarray(True)).scale)
+        8.0
     """
     check_scaler_state(state)
     finite = check_finite_flag(finite)
@@ -359,7 +389,8 @@ def scaler_metrics(state: ScalerState) -> dict[str, jax.Array]:
     scalars and ``{k: v.item() ...}`` plain Python numbers.
 
     Examples:
-        >>> m = scaler_metrics(init_scaler(initial_scale=4.0))
+        >>> import jaxmp
+        >>> m = jaxmp.scaler_metrics(jaxmp.init_scaler(initial_scale=4.0))
         >>> {k: v.item() for k, v in m.items()}
         {'loss_scale': 4.0, 'skipped_steps': 0, 'steps_since_overflow': 0, 'overflow_streak': 0}
     """
@@ -370,3 +401,42 @@ def scaler_metrics(state: ScalerState) -> dict[str, jax.Array]:
         "steps_since_overflow": state.steps_since_overflow,
         "overflow_streak": state.overflow_streak,
     }
+
+
+def scaler_for(compute_dtype: Any, **init_scaler_kwargs: Any) -> ScalerState:
+    """The usual scaler for training in ``compute_dtype``.
+
+    float16 gets a dynamic scaler (:func:`init_scaler`): its smallest normal
+    number is about 6e-5, so small gradients flush to zero without a scale.
+    bfloat16 and float32 get :func:`noop_scaler`: bfloat16 has float32's
+    exponent range, so a scale has nothing to rescue; non-finite steps are still
+    detected and skipped. A training script that offers several precisions
+    calls this one function instead of choosing by hand.
+
+    Args:
+        compute_dtype: ``jnp.float16``, ``jnp.bfloat16`` or ``jnp.float32``
+            (or their names).
+        **init_scaler_kwargs: settings of the dynamic scaler, passed to
+            :func:`init_scaler` for float16. They are checked for every dtype,
+            so a misspelt or out-of-range setting fails whatever the dtype.
+
+    Returns:
+        A :class:`ScalerState`.
+
+    Raises:
+        ValueError: if ``compute_dtype`` is not float16, bfloat16 or float32,
+            or a setting is out of range.
+        TypeError: if a keyword is not an argument of :func:`init_scaler`.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jaxmp
+        >>> jaxmp.scaler_for(jnp.float16, growth_interval=200).mode
+        'dynamic'
+        >>> jaxmp.scaler_for("bfloat16").mode, jaxmp.scaler_for(jnp.float32).mode
+        ('none', 'none')
+    """
+    dtype = casting.canonical_float_dtype(
+        compute_dtype, allowed=casting.COMPUTE_DTYPES, what="compute_dtype")
+    dynamic = init_scaler(**init_scaler_kwargs)
+    return dynamic if dtype == jnp.float16 else noop_scaler()

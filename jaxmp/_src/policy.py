@@ -15,10 +15,20 @@ PyTree = Any
 _DTYPE_NAMES = {
     "float32": jnp.float32,
     "f32": jnp.float32,
+    "full": jnp.float32,  # what jmp writes for float32: str(jmp.get_policy("c=bf16"))
     "float16": jnp.float16,
     "f16": jnp.float16,
     "bfloat16": jnp.bfloat16,
     "bf16": jnp.bfloat16,
+    "float64": jnp.float64,
+    "f64": jnp.float64,
+}
+# jmp also reads "half", as bfloat16 on a TPU and float16 elsewhere. jaxmp does
+# not: the same string would give different policies on different machines, and
+# the two dtypes need different loss scaling. jmp never writes "half" itself.
+_NOT_A_DTYPE = {
+    "half": "jaxmp has no backend-dependent half dtype (jmp reads 'half' as bfloat16 on "
+            "TPU and float16 elsewhere); write f16 or bf16",
 }
 _FIELD_NAMES = {
     "params": "param_dtype",
@@ -45,9 +55,12 @@ class Policy:
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> policy = Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+        >>> import jaxmp
+        >>> policy = jaxmp.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
         >>> policy.cast_to_compute({"x": jnp.ones(2)})["x"].dtype
         dtype(bfloat16)
+        >>> policy.cast_to_output(policy.cast_to_compute(jnp.ones(2))).dtype
+        dtype('float32')
     """
 
     param_dtype: Any
@@ -72,12 +85,15 @@ class Policy:
         return casting.cast_tree(tree, self.output_dtype)
 
     def with_param_dtype(self, dtype: Any) -> "Policy":
+        """This policy with another ``param_dtype``."""
         return dataclasses.replace(self, param_dtype=dtype)
 
     def with_compute_dtype(self, dtype: Any) -> "Policy":
+        """This policy with another ``compute_dtype``."""
         return dataclasses.replace(self, compute_dtype=dtype)
 
     def with_output_dtype(self, dtype: Any) -> "Policy":
+        """This policy with another ``output_dtype``."""
         return dataclasses.replace(self, output_dtype=dtype)
 
     def __str__(self) -> str:
@@ -87,13 +103,13 @@ class Policy:
 
 
 def _parse_dtype(name: str, spec: str) -> Any:
-    try:
-        return _DTYPE_NAMES[name.strip().lower()]
-    except KeyError:
-        known = ", ".join(sorted(_DTYPE_NAMES))
-        raise ValueError(
-            f"Unknown dtype {name.strip()!r} in policy {spec!r}; known dtypes: {known}."
-        ) from None
+    key = name.strip().lower()
+    if key in _DTYPE_NAMES:
+        return _DTYPE_NAMES[key]
+    if key in _NOT_A_DTYPE:
+        raise ValueError(f"Unknown dtype {name.strip()!r} in policy {spec!r}: {_NOT_A_DTYPE[key]}.")
+    known = ", ".join(sorted(_DTYPE_NAMES))
+    raise ValueError(f"Unknown dtype {name.strip()!r} in policy {spec!r}; known dtypes: {known}.")
 
 
 def get_policy(spec: str | Policy) -> Policy:
@@ -101,9 +117,17 @@ def get_policy(spec: str | Policy) -> Policy:
 
     The string is a comma-separated list of ``name=dtype`` pairs, with names
     ``params``, ``compute`` and ``output`` (short forms ``p``, ``c``, ``o``) and
-    dtypes ``float32``, ``float16``, ``bfloat16`` (``f32``, ``f16``, ``bf16``).
-    Parameters default to float32, computation to the parameter dtype and the
-    output to the compute dtype. A bare dtype sets all three.
+    dtypes ``float32``, ``float16``, ``bfloat16`` (``f32``, ``f16``, ``bf16``;
+    ``full`` is float32, as jmp writes it, and ``float64``/``f64`` are read
+    too). Parameters default to float32, computation to the parameter dtype and
+    the output to the compute dtype. A bare dtype sets all three. Every string
+    that ``str(jmp.get_policy(...))`` produces is accepted.
+
+    jmp's ``half`` is rejected: jmp reads it as bfloat16 on a TPU and float16
+    elsewhere, so one string would mean two policies depending on the machine,
+    and float16 needs loss scaling where bfloat16 does not. jaxmp keeps no
+    global or backend-dependent dtype; write ``f16`` or ``bf16``. (jmp never
+    writes ``half`` itself: its ``str`` names the concrete dtype.)
 
     Args:
         spec: the policy string, or a :class:`Policy` (returned unchanged).
@@ -112,10 +136,13 @@ def get_policy(spec: str | Policy) -> Policy:
         ValueError: if a name or a dtype is unknown, or a name is repeated.
 
     Examples:
-        >>> get_policy("params=float32,compute=bfloat16,output=float32")
+        >>> import jaxmp
+        >>> jaxmp.get_policy("params=float32,compute=bfloat16,output=float32")
         Policy(param_dtype=dtype('float32'), compute_dtype=dtype(bfloat16), output_dtype=dtype('float32'))
-        >>> str(get_policy("p=f32,c=f16"))
+        >>> str(jaxmp.get_policy("p=f32,c=f16"))
         'params=float32,compute=float16,output=float16'
+        >>> str(jaxmp.get_policy("p=full,c=bf16,o=bf16"))  # as jmp writes it
+        'params=float32,compute=bfloat16,output=bfloat16'
     """
     if isinstance(spec, Policy):
         return spec

@@ -22,7 +22,9 @@ def select_tree(pred: Any, on_true: PyTree, on_false: PyTree) -> PyTree:
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> select_tree(jnp.asarray(False), {"a": jnp.ones(2)}, {"a": jnp.zeros(2)})["a"].tolist()
+        >>> import jaxmp
+        >>> new, old = {"a": jnp.ones(2)}, {"a": jnp.zeros(2)}
+        >>> jaxmp.select_tree(jnp.asarray(False), new, old)["a"].tolist()
         [0.0, 0.0]
     """
     pred = loss_scale.check_finite_flag(pred)
@@ -68,11 +70,12 @@ def optimizer_update(
 
     Examples:
         >>> import jax.numpy as jnp, optax
+        >>> import jaxmp
         >>> opt = optax.sgd(0.1)
         >>> params = {"w": jnp.ones(2)}
         >>> state = opt.init(params)
         >>> grads = {"w": jnp.array([1.0, jnp.nan])}
-        >>> new, _ = optimizer_update(params, opt, state, grads, jnp.asarray(False))
+        >>> new, _ = jaxmp.optimizer_update(params, opt, state, grads, jnp.asarray(False))
         >>> new["w"].tolist()
         [1.0, 1.0]
     """

@@ -1,0 +1,1 @@
+"""Examples of jaxmp, run from the repository root as modules: ``python -m examples.compare``."""

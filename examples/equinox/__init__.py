@@ -1,0 +1,1 @@
+"""Equinox example: ``python -m examples.equinox.train``."""

@@ -1,0 +1,1 @@
+"""Haiku examples: ``python -m examples.haiku.train``."""
