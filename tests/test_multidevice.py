@@ -436,14 +436,19 @@ def _collective_types(hlo, op, shape):
     return {t for head in heads for t in re.findall(r"(\w+)\[" + shape + r"\]", head)}
 
 
-def test_jit_reduce_dtype_moves_xla_all_reduce_to_float32():
+@pytest.mark.parametrize("make", [
+    lambda **o: jaxmp.mp_value_and_grad(_full_loss, **o),
+    lambda **o: jaxmp.mp_value_and_grad(_full_loss, autocast=True, **o),  # products in remat
+    lambda **o: jaxmp.accumulate_value_and_grad(_full_loss, 2, **o),  # products in a scan
+], ids=["plain", "autocast", "accumulate"])
+def test_jit_reduce_dtype_moves_xla_all_reduce_to_float32(make):
     _, put_params, put_batch = _jit_layout("data_parallel")
     params, x, y = _tp_setup()
     scaler = jaxmp.init_scaler(initial_scale=2.0**10)
     args = (put_params(params), put_batch(x), put_batch(y), scaler)
 
     def compiled(reduce_dtype):
-        fn = jaxmp.mp_value_and_grad(_full_loss, reduce_dtype=reduce_dtype)
+        fn = make(reduce_dtype=reduce_dtype)
         step = jax.jit(lambda p, x, y, s: fn(p, x, y, scaler_state=s))
         return step(*args), step.lower(*args).compile().as_text()
 

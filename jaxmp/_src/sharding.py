@@ -367,9 +367,13 @@ def _eval_widened(jaxpr, consts, args, wide, manual):
         elif name == "all_gather" and manual and half:
             outs = [_wide_gradient_gather(eqn, wide)(*invals)]
         else:
-            for key, value in eqn.params.items():  # pjit, scan, while: rewrite their bodies
+            for key, value in eqn.params.items():  # pjit, scan, while, remat: their bodies
                 if isinstance(value, jex_core.ClosedJaxpr):
                     params[key] = _widen_closed(value, wide, manual)
+                elif isinstance(value, jex_core.Jaxpr) and not value.constvars:  # remat
+                    closed = _widen_closed(jex_core.ClosedJaxpr(value, ()), wide, manual)
+                    if not closed.consts:
+                        params[key] = closed.jaxpr
                 elif isinstance(value, tuple) and value and all(
                         isinstance(b, jex_core.ClosedJaxpr) for b in value):  # cond branches
                     params[key] = tuple(_widen_closed(b, wide, manual) for b in value)
@@ -389,8 +393,7 @@ def widen_gradient_products(fn, reduce_dtype: Any):
     in ``reduce_dtype``. Inside ``shard_map``, every half-precision
     ``all_gather`` (FSDP) sums its gradient, a reduce-scatter, in
     ``reduce_dtype``. With ``reduce_dtype=None``, ``fn`` is returned as it is.
-    Operations inside ``checkpoint``/``remat`` and custom derivative rules are
-    left as written.
+    Operations inside custom derivative rules are left as written.
     """
     if reduce_dtype is None or np.dtype(reduce_dtype).itemsize < 4:
         return fn  # half-precision reductions: XLA's and autodiff's already are
