@@ -119,14 +119,15 @@ def build(devices: int, width: int, depth: int, batch: int):
 
     def jit_step(params, reduce_dtype, mixed=True):
         fn = jaxmp.mp_value_and_grad(mlp, reduce_dtype=reduce_dtype, use_mixed_precision=mixed)
-        return jax.jit(lambda p, x, y, s: fn(p, x, y, scaler_state=s)[:2]), (params, xs, ys, scaler)
+        return jax.jit(lambda p, x, y, s: fn(p, x, y, scaler_state=s)), (params, xs, ys, scaler)
 
     def shard_map_step(gather, reduce_dtype):
         fn = jaxmp.mp_value_and_grad(lambda p, x, y: mlp(p, x, y, gather), axis_name="data",
                                      reduce_dtype=reduce_dtype)
         spec = P("data") if gather else P()
-        body = jax.shard_map(lambda p, x, y, s: fn(p, x, y, scaler_state=s)[:2], mesh=mesh,
-                             in_specs=(spec, P("data"), P("data"), P()), out_specs=(P(), spec))
+        body = jax.shard_map(lambda p, x, y, s: fn(p, x, y, scaler_state=s), mesh=mesh,
+                             in_specs=(spec, P("data"), P("data"), P()),
+                             out_specs=(P(), spec, P(), P()))
         return jax.jit(body), (fsdp if gather else replicated, xs, ys, scaler)
 
     steps[("float32", "-")] = jit_step(replicated, None, mixed=False)

@@ -298,7 +298,7 @@ class Step:
         :func:`jaxmp.mp_value_and_grad` returns them.
         """
         loss, grads = sharding.mean_over_devices(loss, grads, devices, self.reduce_dtype)
-        finite = sharding.verdict(loss_scale.all_finite(grads), devices.axes)
+        finite = loss_scale.all_finite(grads, devices.axes or None)  # one verdict, every axis
         if self.use_mixed_precision:
             state = loss_scale.adjust(state, finite)
         grads = grads[0] if self.single_argnum else grads
