@@ -1,5 +1,7 @@
 """Multi-device behaviour on several CPU devices (conftest.py asks for 4)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,3 +130,418 @@ def test_all_finite_with_axis_name(mesh):
     out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(
         jax.device_put(x, NamedSharding(mesh, P("data"))))
     assert np.asarray(out).tolist() == [False] * NUM
+
+
+# --- Tensor parallel, FSDP and 2-D meshes inside shard_map -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mesh2d():
+    if jax.device_count() < NUM:
+        pytest.skip(f"needs {NUM} devices")
+    return jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def _tp_loss(params, x, y):
+    """Megatron-style MLP: w1 split by columns, w2 by rows along "model", summed over "model"."""
+    h = jnp.tanh(x @ params["w1"])
+    pred = jax.lax.psum(h @ params["w2"], "model") + params["b"]
+    return jnp.mean((pred[:, 0] - y).astype(jnp.float32) ** 2)
+
+
+def _full_loss(params, x, y):
+    """The same model on one device, in float32: the reference."""
+    h = jnp.tanh(x @ params["w1"])
+    pred = h @ params["w2"] + params["b"]
+    return jnp.mean((pred[:, 0] - y).astype(jnp.float32) ** 2)
+
+
+def _tp_setup(n=16):
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(1), 4)
+    params = {"w1": jax.random.normal(k1, (8, 8)) / 3, "w2": jax.random.normal(k2, (8, 1)) / 3,
+              "b": jnp.full((1,), 0.1)}
+    return params, jax.random.normal(k3, (n, 8)), jax.random.normal(k4, (n,))
+
+
+TP_SPECS = {"w1": P(None, "model"), "w2": P("model", None), "b": P()}
+FSDP_SPECS = {"w1": P("data", None), "w2": P("data", None), "b": P()}
+
+
+def _fsdp_loss(params, x, y):
+    """FSDP: every weight sharded along "data" and gathered for the forward pass."""
+    w1 = jax.lax.all_gather(params["w1"], "data", tiled=True)
+    w2 = jax.lax.all_gather(params["w2"], "data", tiled=True)
+    pred = jnp.tanh(x @ w1) @ w2 + params["b"]
+    return jnp.mean((pred[:, 0] - y).astype(jnp.float32) ** 2)
+
+
+def _sharded_step(mesh, loss_fn, specs, params, x, y, scaler, accumulate=False, **options):
+    """One jaxmp step in shard_map; gradients come back with the parameters' specs."""
+    make = (lambda f, **o: jaxmp.accumulate_value_and_grad(f, 2, **o)) if accumulate else (
+        jaxmp.mp_value_and_grad)
+
+    def body(params, x, y, scaler):
+        return make(loss_fn, **options)(params, x, y, scaler_state=scaler)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P("data"), P("data"), P()),
+                       out_specs=(P(), specs, P(), P()))
+    params = jax.device_put(params, jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs))
+    return jax.jit(fn)(params, x, y, scaler)
+
+
+def _assert_close_to_reference(loss, grads, params, x, y):
+    ref_loss, ref_grads = jax.value_and_grad(_full_loss)(params, x, y)
+    np.testing.assert_allclose(loss, ref_loss, rtol=2e-2)
+    for k in params:
+        np.testing.assert_allclose(grads[k], ref_grads[k], rtol=5e-2, atol=5e-3, err_msg=k)
+
+
+@pytest.mark.parametrize("axis_name", ["data", ("data", "model")])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_shard_map_tensor_parallel_matches_float32_reference(mesh2d, axis_name, accumulate):
+    params, x, y = _tp_setup()
+    scaler = jaxmp.init_scaler(initial_scale=2.0**10)
+    loss, grads, new, finite = _sharded_step(mesh2d, _tp_loss, TP_SPECS, params, x, y, scaler,
+                                             accumulate=accumulate, axis_name=axis_name)
+    _assert_close_to_reference(loss, grads, params, x, y)
+    assert bool(finite) and float(new.scale) == 2.0**10
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_shard_map_fsdp_matches_float32_reference(mesh, accumulate):
+    params, x, y = _tp_setup()
+    scaler = jaxmp.init_scaler(initial_scale=2.0**10)
+    loss, grads, _, finite = _sharded_step(mesh, _fsdp_loss, FSDP_SPECS, params, x, y, scaler,
+                                           accumulate=accumulate, axis_name="data")
+    assert grads["w1"].sharding.spec == P("data")  # each device holds its shard's gradient
+    _assert_close_to_reference(loss, grads, params, x, y)
+    assert bool(finite)
+
+
+def test_shard_map_fsdp_on_two_dimensional_mesh(mesh2d):
+    """FSDP along "data" and tensor parallel along "model" at once."""
+    specs = {"w1": P("data", "model"), "w2": P(("data", "model"), None), "b": P()}
+
+    def loss_fn(params, x, y):
+        w1 = jax.lax.all_gather(params["w1"], "data", tiled=True)
+        w2 = jax.lax.all_gather(params["w2"], "data", tiled=True)
+        pred = jax.lax.psum(jnp.tanh(x @ w1) @ w2, "model") + params["b"]
+        return jnp.mean((pred[:, 0] - y).astype(jnp.float32) ** 2)
+
+    params, x, y = _tp_setup()
+    # w2 rows are split over "data" and "model": reorder so that model shard m, data shard d
+    # holds the rows of w1's columns in model shard m.
+    scaler = jaxmp.init_scaler(initial_scale=2.0**10)
+    w2 = params["w2"].reshape(2, 2, 2, 1).transpose(1, 0, 2, 3).reshape(8, 1)
+    loss, grads, _, finite = _sharded_step(mesh2d, loss_fn, specs, dict(params, w2=w2), x, y,
+                                           scaler, axis_name="data")
+    grads = dict(grads, w2=grads["w2"].reshape(2, 2, 2, 1).transpose(1, 0, 2, 3).reshape(8, 1))
+    _assert_close_to_reference(loss, grads, params, x, y)
+    assert bool(finite)
+
+
+def test_shard_map_overflow_in_one_model_shard_skips_on_every_device(mesh2d):
+    """Each model shard has its own loss term; only shard 1's gradient overflows float16."""
+
+    def loss_fn(params, x, y):
+        local = jnp.mean((x @ params["w1"]).astype(jnp.float32) ** 2)
+        del y
+        return jax.lax.psum(local, "model")
+
+    params, x, y = _tp_setup()
+    params["w1"] = params["w1"].at[:, 4:].multiply(1e3)  # model shard 1 only
+    scaler = jaxmp.init_scaler(initial_scale=2.0**15)
+
+    def body(params, x, y, scaler):
+        loss, grads, new, finite = jaxmp.mp_value_and_grad(loss_fn, axis_name="data")(
+            params, x, y, scaler_state=scaler)
+        alone = jaxmp.all_finite(grads)
+        add = lambda t: jax.tree_util.tree_map(lambda v: v[None], t)
+        return add(finite), add(new.scale), add(alone), add(jnp.all(jnp.isfinite(grads["w1"])))
+
+    every = P(("data", "model"))
+    fn = jax.shard_map(body, mesh=mesh2d, in_specs=(TP_SPECS, P("data"), P("data"), P()),
+                       out_specs=every)
+    finite, scale, alone, local = jax.jit(fn)(params, x, y, scaler)
+    assert np.asarray(local).tolist() == [True, False, True, False]  # the overflow is local
+    assert np.asarray(finite).tolist() == [False] * NUM
+    assert np.asarray(scale).tolist() == [2.0**14] * NUM
+    assert np.asarray(alone).tolist() == [False] * NUM
+
+
+def test_shard_map_opt_out_gives_per_device_gradients(mesh):
+    params, x, y = _setup()
+    scaler = jaxmp.init_scaler(initial_scale=2.0**10)
+
+    def body(params, x, y, scaler):
+        loss, grads, new, finite = jaxmp.mp_value_and_grad(_loss, axis_name=())(
+            params, x, y, scaler_state=scaler)
+        add = lambda t: jax.tree_util.tree_map(lambda v: v[None], t)
+        return add(loss), add(grads), new, finite
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data"), P("data"), P()),
+                       out_specs=(P("data"), P("data"), P(), P()))
+    loss, grads, new, finite = jax.jit(fn)(params, x, y, scaler)
+    xs, ys = x.reshape(NUM, -1, 5), y.reshape(NUM, -1)
+    for d in range(NUM):
+        ref_loss, ref_grads = jax.value_and_grad(_loss)(params, xs[d], ys[d])
+        np.testing.assert_allclose(loss[d], ref_loss, rtol=2e-2)
+        for k in params:
+            np.testing.assert_allclose(grads[k][d], ref_grads[k], rtol=5e-2, atol=5e-3)
+    assert bool(finite) and float(new.scale) == 2.0**10
+
+
+def test_shard_map_without_vma_checks_is_still_data_parallel(mesh):
+    params, x, y = _setup()
+    ref_loss, ref_grads = jax.value_and_grad(_loss)(params, x, y)
+    scaler = jaxmp.init_scaler(initial_scale=2.0**10)
+
+    def body(params, x, y, scaler):
+        return jaxmp.mp_value_and_grad(_loss, axis_name="data")(params, x, y, scaler_state=scaler)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data"), P("data"), P()),
+                       out_specs=P(), check_vma=False)
+    loss, grads, _, finite = jax.jit(fn)(params, x, y, scaler)
+    np.testing.assert_allclose(loss, ref_loss, rtol=2e-2)
+    for k in params:
+        np.testing.assert_allclose(grads[k], ref_grads[k], rtol=5e-2, atol=5e-3)
+    assert bool(finite)
+
+
+@pytest.mark.parametrize("make", [
+    lambda **o: jaxmp.mp_value_and_grad(_loss, **o),
+    lambda **o: jaxmp.accumulate_value_and_grad(_loss, 2, **o),
+])
+def test_shard_map_misuse_of_axis_name_raises_at_trace_time(mesh, make):
+    params, x, y = _setup()
+    scaler = jaxmp.init_scaler()
+
+    def run(**options):
+        def body(params, x, y, scaler):
+            return make(**options)(params, x, y, scaler_state=scaler)[0]
+
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data"), P("data"), P()),
+                           out_specs=P("data"))
+        return jax.jit(fn).trace(params, x, y, scaler)
+
+    with pytest.raises(ValueError, match=r"axis_name=None.*axis_name='data'.*axis_name=\(\)"):
+        run()
+    with pytest.raises(ValueError, match="'batch' is not bound here"):
+        run(axis_name="batch")
+    with pytest.raises(ValueError, match="'model' is not bound here"):
+        run(axis_name=("data", "model"))
+    # Outside shard_map an axis name is a mistake too; None changes nothing.
+    with pytest.raises(ValueError, match="outside shard_map.*leave it None"):
+        jax.jit(lambda *a: make(axis_name="data")(*a, scaler_state=scaler))(params, x, y)
+
+
+def test_reduce_dtype_is_validated_and_used(mesh):
+    with pytest.raises(ValueError, match="reduce_dtype"):
+        jaxmp.mp_value_and_grad(_loss, reduce_dtype=jnp.int32)
+    params, x, y = _setup()
+    scaler = jaxmp.init_scaler(initial_scale=2.0**10)
+
+    def all_reduce_types(reduce_dtype):
+        def body(params, x, y, scaler):
+            return jaxmp.mp_value_and_grad(_loss, axis_name="data", reduce_dtype=reduce_dtype)(
+                params, x, y, scaler_state=scaler)[1]
+
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data"), P("data"), P()),
+                           out_specs=P())
+        hlo = jax.jit(fn).lower(params, x, y, scaler).as_text(dialect="hlo")  # before XLA passes
+        # e.g. "%all-reduce = (f32[5,8]{1,0}, f32[8,1]{1,0}) all-reduce(...)"
+        lines = [line.split(" all-reduce(")[0] for line in hlo.splitlines() if " all-reduce(" in line]
+        return {t for line in lines for t in re.findall(r"(\w+)\[5,8\]", line)}
+
+    assert all_reduce_types(None) == {"f32"}
+    assert all_reduce_types(jnp.bfloat16) == {"bf16"}
+
+
+# --- jit with NamedSharding: XLA partitions, jaxmp is called as on one device -------------------
+
+JIT_LAYOUTS = {
+    # name: (mesh axes, parameter specs, batch spec)
+    "data_parallel": ((NUM,), ("data",), {"w1": P(), "w2": P(), "b": P()}, P("data")),
+    "fsdp": ((NUM,), ("data",), {"w1": P("data", None), "w2": P("data", None), "b": P()},
+             P("data")),
+    "two_d": ((2, 2), ("data", "model"), TP_SPECS, P("data")),
+}
+
+
+def _jit_layout(name):
+    if jax.device_count() < NUM:
+        pytest.skip(f"needs {NUM} devices")
+    shape, axes, specs, batch = JIT_LAYOUTS[name]
+    mesh = jax.make_mesh(shape, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+    put = lambda tree, spec: jax.device_put(
+        tree, jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), spec))
+    return mesh, lambda params: put(params, specs), lambda arr: put(arr, batch)
+
+
+def _masked_loss(params, x, y, mask):
+    """The float32-reference model plus sum(w1 * mask): mask picks gradient elements to inflate."""
+    return _full_loss(params, x, y) + jnp.sum(params["w1"] * mask).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("layout", sorted(JIT_LAYOUTS))
+def test_jit_named_sharding_matches_float32_reference(layout):
+    _, put_params, put_batch = _jit_layout(layout)
+    params, x, y = _tp_setup()
+    mask = jnp.zeros((8, 8))
+    scaler = jaxmp.init_scaler(initial_scale=2.0**10)
+    step = jax.jit(lambda p, x, y, s: jaxmp.mp_value_and_grad(_masked_loss)(
+        p, x, y, mask, scaler_state=s))
+    loss, grads, _, finite = step(put_params(params), put_batch(x), put_batch(y), scaler)
+    _assert_close_to_reference(loss, grads, params, x, y)
+    assert bool(finite)
+
+
+@pytest.mark.parametrize("layout", sorted(JIT_LAYOUTS))
+def test_jit_named_sharding_single_element_overflow_skips_bit_for_bit(layout):
+    """One float16 gradient element of w1, in one shard, overflows: the whole step is skipped."""
+    _, put_params, put_batch = _jit_layout(layout)
+    params, x, y = _tp_setup()
+    # 100 * scale 1024 > 65504: element (6, 5) of w1's float16 gradient overflows. It lives in
+    # data shard 3 (FSDP rows) and model shard 1 (two_d columns).
+    mask = jnp.zeros((8, 8)).at[6, 5].set(100.0)
+    opt = optax.adam(1e-2)
+    scaler = jaxmp.init_scaler(initial_scale=2.0**10)
+
+    @jax.jit
+    def train_step(params, opt_state, scaler, x, y):
+        loss, grads, scaler, finite = jaxmp.mp_value_and_grad(_masked_loss)(
+            params, x, y, mask, scaler_state=scaler)
+        params, opt_state = jaxmp.optimizer_update(params, opt, opt_state, grads, finite)
+        return params, opt_state, scaler, finite, grads
+
+    params = put_params(params)
+    opt_state = opt.init(params)
+    new_params, new_opt_state, new_scaler, finite, grads = train_step(
+        params, opt_state, scaler, put_batch(x), put_batch(y))
+    bad = ~np.isfinite(np.asarray(grads["w1"]))
+    assert bad.sum() == 1 and bad[6, 5]  # a single element overflowed...
+    assert not bool(finite)  # ...and the step is skipped everywhere
+    for old, new in zip(jax.tree_util.tree_leaves((params, opt_state)),
+                        jax.tree_util.tree_leaves((new_params, new_opt_state))):
+        assert np.asarray(old).tobytes() == np.asarray(new).tobytes()
+    assert float(new_scaler.scale) == 2.0**9 and int(new_scaler.skipped_steps) == 1
+
+
+# --- reduce_dtype where XLA or autodiff reduces ---------------------------------------------------
+
+
+def _collective_types(hlo, op, shape):
+    """Element types of the ``op`` collectives (e.g. "all-reduce") with a result of ``shape``."""
+    heads = [line.split(f" {op}(")[0] for line in hlo.splitlines() if f" {op}(" in line]
+    return {t for head in heads for t in re.findall(r"(\w+)\[" + shape + r"\]", head)}
+
+
+@pytest.mark.parametrize("make", [
+    lambda **o: jaxmp.mp_value_and_grad(_full_loss, **o),
+    lambda **o: jaxmp.mp_value_and_grad(_full_loss, autocast=True, **o),  # products in remat
+    lambda **o: jaxmp.accumulate_value_and_grad(_full_loss, 2, **o),  # products in a scan
+], ids=["plain", "autocast", "accumulate"])
+def test_jit_reduce_dtype_moves_xla_all_reduce_to_float32(make):
+    _, put_params, put_batch = _jit_layout("data_parallel")
+    params, x, y = _tp_setup()
+    scaler = jaxmp.init_scaler(initial_scale=2.0**10)
+    args = (put_params(params), put_batch(x), put_batch(y), scaler)
+
+    def compiled(reduce_dtype):
+        fn = make(reduce_dtype=reduce_dtype)
+        step = jax.jit(lambda p, x, y, s: fn(p, x, y, scaler_state=s))
+        return step(*args), step.lower(*args).compile().as_text()
+
+    (_, _, _, _), before = compiled(None)
+    (loss, grads, _, finite), after = compiled(jnp.float32)
+    # XLA sums w1's gradient over devices on the matrix product's output: float16 by default.
+    assert _collective_types(before, "all-reduce", "8,8") == {"f16"}
+    assert _collective_types(after, "all-reduce", "8,8") == {"f32"}
+    _assert_close_to_reference(loss, grads, params, x, y)
+    assert bool(finite)
+
+
+def test_shard_map_fsdp_reduce_dtype_moves_reduce_scatter_to_float32(mesh):
+    params, x, y = _tp_setup()
+    scaler = jaxmp.init_scaler(initial_scale=2.0**10)
+    out = {}
+    for rd in (None, jnp.float32):
+        loss, grads, _, finite = _sharded_step(mesh, _fsdp_loss, FSDP_SPECS, params, x, y, scaler,
+                                               axis_name="data", reduce_dtype=rd)
+        _assert_close_to_reference(loss, grads, params, x, y)
+        assert bool(finite)
+
+        def body(p, x, y, s, rd=rd):
+            return jaxmp.mp_value_and_grad(_fsdp_loss, axis_name="data", reduce_dtype=rd)(
+                p, x, y, scaler_state=s)[1]
+
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(FSDP_SPECS, P("data"), P("data"), P()),
+                           out_specs=FSDP_SPECS)
+        out[rd] = jax.jit(fn).lower(params, x, y, scaler).as_text(dialect="hlo")
+    assert _collective_types(out[None], "reduce-scatter", "2,8") == {"f16"}
+    assert _collective_types(out[jnp.float32], "reduce-scatter", "2,8") == {"f32"}
+
+
+@pytest.mark.parametrize("spec", ["ij,jk->ik", "bji,kjb->bki"])  # plain; batch + odd layouts
+def test_widened_products_have_the_same_gradients(spec):
+    """The rewritten matrix products (float32 gradient outputs) match JAX's own gradients."""
+    from jaxmp._src import sharding  # pylint: disable=g-import-not-at-top
+
+    shapes = {"ij,jk->ik": ((4, 3), (3, 5)), "bji,kjb->bki": ((2, 3, 4), (5, 3, 2))}[spec]
+    k1, k2 = jax.random.split(jax.random.key(3))
+    a = jax.random.normal(k1, shapes[0]).astype(jnp.float16)
+    b = jax.random.normal(k2, shapes[1]).astype(jnp.float16)
+
+    def loss(a, b):
+        out = jnp.einsum(spec, a, b)
+
+        def body(c, w):  # a product inside a scan body is rewritten too
+            return jnp.tanh(c * w), None
+
+        out, _ = jax.lax.scan(body, out, jnp.ones((2,) + out.shape, out.dtype))
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    wide = sharding.widen_gradient_products(loss, jnp.float32)
+    assert "preferred_element_type=float32" in str(jax.make_jaxpr(jax.grad(wide, (0, 1)))(a, b))
+    # Operands stay float16 (tensor cores); only the products' outputs are float32.
+    assert jaxmp.half_matmul_flop_share(jax.grad(wide, (0, 1)), a, b) == 1.0
+    got = jax.value_and_grad(wide, (0, 1))(a, b)
+    want = jax.value_and_grad(loss, (0, 1))(a, b)
+    assert got[0] == want[0]  # the forward pass is untouched
+    for g, w in zip(got[1], want[1]):
+        assert g.dtype == w.dtype == jnp.float16 and g.shape == w.shape
+        np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_shard_map_pure_tensor_parallel_with_axis_name_model():
+    """Batch replicated, parameters split over "model": list "model" so that the replicated bias
+    gets one gradient (the loss is the same on every device, its mean is the loss)."""
+    if jax.device_count() < NUM:
+        pytest.skip(f"needs {NUM} devices")
+    model_mesh = jax.make_mesh((NUM,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+    params, x, y = _tp_setup()
+    scaler = jaxmp.init_scaler(initial_scale=2.0**10)
+
+    def body(params, x, y, scaler):
+        return jaxmp.mp_value_and_grad(_tp_loss, axis_name="model")(params, x, y,
+                                                                    scaler_state=scaler)
+
+    fn = jax.shard_map(body, mesh=model_mesh, in_specs=(TP_SPECS, P(), P(), P()),
+                       out_specs=(P(), TP_SPECS, P(), P()))
+    loss, grads, _, finite = jax.jit(fn)(params, x, y, scaler)
+    _assert_close_to_reference(loss, grads, params, x, y)
+    assert bool(finite)
+
+
+def test_all_finite_alone_reduces_over_every_mesh_axis_and_checks_names(mesh2d):
+    x = jnp.ones((4, 4)).at[3, 3].set(jnp.inf)  # lives on the device at data 1, model 1
+
+    def body(v):
+        return jaxmp.all_finite(v)[None]
+
+    fn = jax.shard_map(body, mesh=mesh2d, in_specs=P("data", "model"),
+                       out_specs=P(("data", "model")))
+    assert np.asarray(jax.jit(fn)(x)).tolist() == [False] * NUM
+    assert bool(jaxmp.all_finite(jnp.ones(3)))  # outside shard_map: nothing to reduce
+    with pytest.raises(ValueError, match="'data' is not bound here"):
+        jaxmp.all_finite(jnp.ones(3), axis_name="data")

@@ -40,6 +40,7 @@ import numpy as np
 
 from jaxmp._src import casting
 from jaxmp._src import kernel
+from jaxmp._src import sharding
 
 PyTree = Any
 
@@ -117,6 +118,7 @@ def accumulate_value_and_grad(
     use_mixed_precision: bool = True,
     axis_name: Any = None,
     autocast: bool = False,
+    reduce_dtype: Any = None,
 ) -> Callable:
     """Like :func:`jaxmp.mp_value_and_grad`, accumulated over micro-batches.
 
@@ -160,9 +162,10 @@ def accumulate_value_and_grad(
             ``jnp.float32``.
         use_mixed_precision: ``False`` runs in float32 without scaling and
             returns ``scaler_state`` unchanged.
-        axis_name: inside ``shard_map``/``pmap``, the device axis name(s); the
-            loss and gradients are averaged over devices once per window.
+        axis_name: as in :func:`jaxmp.mp_value_and_grad`; the loss and
+            gradients are averaged over devices once per window.
         autocast: as in :func:`jaxmp.mp_value_and_grad`.
+        reduce_dtype: as in :func:`jaxmp.mp_value_and_grad`.
 
     Returns:
         A function returning ``(loss, grads, scaler_state, finite)``, or
@@ -196,7 +199,8 @@ def accumulate_value_and_grad(
     step = kernel.Step.create(
         fn, api="jaxmp.accumulate_value_and_grad", argnums=argnums,
         no_cast_argnums=no_cast_argnums, has_aux=has_aux, compute_dtype=compute_dtype,
-        use_mixed_precision=use_mixed_precision, axis_name=axis_name, autocast=autocast)
+        use_mixed_precision=use_mixed_precision, axis_name=axis_name, autocast=autocast,
+        reduce_dtype=reduce_dtype)
     batch_nums = None if batch_argnums is None else kernel.int_tuple(batch_argnums,
                                                                      "batch_argnums")
 
@@ -221,7 +225,7 @@ def accumulate_value_and_grad(
                 "There is no batch argument to split into micro-batches: pass the batch "
                 "as a positional argument not in argnums, or set batch_argnums."
             )
-        diff, rebuild = step.differentiable(args)
+        diff, rebuild, devices = step.differentiable(args)
         batch = _Batch(args, batch_positions, k)
 
         def body(acc, micro_leaves):
@@ -232,12 +236,12 @@ def accumulate_value_and_grad(
             return acc, (loss, aux)
 
         # Scaled gradients are summed in float32 (float64 stays float64).
+        # Each carry leaf has its parameter's varying axes, so scan's carry types match.
         acc = jax.tree_util.tree_map(
-            lambda x: jnp.zeros(x.shape, casting.wide_dtype(x.dtype)), diff)
-        if axis_name is not None:
-            acc = jax.tree_util.tree_map(lambda x: kernel.mark_varying(x, axis_name), acc)
+            lambda x: sharding.as_varying(jnp.zeros(x.shape, casting.wide_dtype(x.dtype)),
+                                          tuple(sharding.varying_axes(x))), diff)
         acc, (losses, aux) = jax.lax.scan(body, acc, batch.leaves)
         grads = step.unscale(state, acc, diff, divisor=k)
-        return step.finish(jnp.mean(losses), aux, grads, state)
+        return step.finish(jnp.mean(losses), aux, grads, state, devices)
 
     return accumulated_fn

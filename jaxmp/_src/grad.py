@@ -19,6 +19,7 @@ def mp_value_and_grad(
     use_mixed_precision: bool = True,
     axis_name: Any = None,
     autocast: bool = False,
+    reduce_dtype: Any = None,
 ) -> Callable:
     """Like ``jax.value_and_grad``, in mixed precision with loss scaling.
 
@@ -57,12 +58,27 @@ def mp_value_and_grad(
         compute_dtype: ``jnp.float16`` (default), ``jnp.bfloat16`` or
             ``jnp.float32``.
         use_mixed_precision: ``False`` runs in float32 without scaling.
-        axis_name: inside ``shard_map``/``pmap``, the device axis name(s). The
-            loss and the gradients are then those of the mean of the
-            per-device losses, and ``finite`` and the new scaler state are the
-            same on every device.
+        axis_name: inside ``shard_map``/``pmap``, the data-parallel axis
+            name(s): those the batch is split over. The loss and the gradients
+            are then those of the mean of the per-device losses, for
+            parameters replicated over these axes and for parameters sharded
+            over them and gathered in the forward pass (FSDP, read from
+            ``shard_map``'s ``check_vma`` types); each device gets its shard's
+            gradient. Required inside ``shard_map`` (``None`` raises there);
+            ``()`` gives per-device gradients. Leave it ``None`` under ``jit``
+            with ``NamedSharding``. Whatever it lists, ``finite`` and the new
+            scaler state are the same on every device of the mesh.
         autocast: instead of casting all inputs, apply :func:`jaxmp.autocast`
             to ``fn`` (per-operation precision).
+        reduce_dtype: the dtype of gradient sums over devices. ``None``
+            (default): jaxmp's own sums over ``axis_name`` (unscaled
+            gradients) run in float32 (float64 for float64 leaves), and the
+            sums that XLA inserts under ``jit`` or autodiff inserts for an
+            ``all_gather`` (FSDP) stay in the compute dtype, on scaled values.
+            ``jnp.float32``: all of them in float32 (matrix products then give
+            their gradients in float32 before the cast back; twice the
+            traffic of float16). ``jnp.bfloat16``/``jnp.float16``: jaxmp's
+            own sums in that dtype too, halving their traffic.
 
     Returns:
         A function returning ``(loss, grads, scaler_state, finite)``, or
@@ -84,16 +100,17 @@ def mp_value_and_grad(
     step = kernel.Step.create(
         fn, api="jaxmp.mp_value_and_grad", argnums=argnums, no_cast_argnums=no_cast_argnums,
         has_aux=has_aux, compute_dtype=compute_dtype, use_mixed_precision=use_mixed_precision,
-        axis_name=axis_name, autocast=autocast)
+        axis_name=axis_name, autocast=autocast,
+        reduce_dtype=reduce_dtype)
 
     @kernel.wraps_adding_scaler_state(fn)
     def value_and_grad_fn(*args, scaler_state=kernel.REQUIRED, **kwargs):
         state = step.check_state(scaler_state)
-        diff, rebuild = step.differentiable(args)
+        diff, rebuild, devices = step.differentiable(args)
         (_, (loss, aux)), grads = jax.value_and_grad(
             lambda d: step.scaled_loss(state, rebuild(d), kwargs), has_aux=True)(diff)
         grads = step.unscale(state, grads, diff)
-        return step.finish(loss, aux, grads, state)
+        return step.finish(loss, aux, grads, state, devices)
 
     return value_and_grad_fn
 

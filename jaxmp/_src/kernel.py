@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from jaxmp._src import casting
 from jaxmp._src import loss_scale
+from jaxmp._src import sharding
 
 PyTree = Any
 
@@ -156,28 +157,6 @@ def prepare_call(fn: Callable, compute_dtype: Any, use_mixed_precision: bool, au
     return fn, compute_dtype
 
 
-def mark_varying(x: jax.Array, axis_name: Any) -> jax.Array:
-    """Marks ``x`` as varying over ``axis_name`` inside ``shard_map``.
-
-    Differentiating a per-device loss with respect to replicated parameters
-    otherwise makes autodiff sum the gradients over devices by itself (JAX's
-    varying-manual-axes typing); made varying, each device gets its own
-    gradient and jaxmp averages them explicitly, the same way with or without
-    ``check_vma`` and under ``pmap``.
-    """
-    names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
-    try:
-        varying = jax.typeof(x).manual_axis_type.varying
-    except AttributeError:  # outside shard_map
-        varying = frozenset()
-    missing = tuple(n for n in names if n not in varying)
-    if not missing:
-        return x
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(x, missing, to="varying")
-    return jax.lax.pvary(x, missing)  # JAX 0.7 - 0.8
-
-
 @dataclasses.dataclass(frozen=True)
 class Step:
     """The validated options of one jaxmp gradient function.
@@ -195,6 +174,7 @@ class Step:
     has_aux: bool
     use_mixed_precision: bool
     axis_name: Any
+    reduce_dtype: Any = None
 
     @classmethod
     def create(
@@ -209,6 +189,7 @@ class Step:
         use_mixed_precision: bool,
         axis_name: Any,
         autocast: bool,
+        reduce_dtype: Any = None,
     ) -> "Step":
         """Validates the options of ``api`` (e.g. ``"jaxmp.mp_value_and_grad"``)."""
         if not callable(fn):
@@ -223,9 +204,13 @@ class Step:
                 "uncast. Remove it from one of them."
             )
         call, input_dtype = prepare_call(fn, compute_dtype, use_mixed_precision, autocast)
+        reduce_dtype = sharding.check_reduce_dtype(reduce_dtype)
+        if use_mixed_precision:  # under jit, XLA's gradient all-reduces in reduce_dtype
+            call = sharding.widen_gradient_products(call, reduce_dtype)
         return cls(api=api, call=call, input_dtype=input_dtype, argnums=argnums, nums=nums,
                    no_cast_nums=no_cast, has_aux=has_aux,
-                   use_mixed_precision=use_mixed_precision, axis_name=axis_name)
+                   use_mixed_precision=use_mixed_precision, axis_name=axis_name,
+                   reduce_dtype=reduce_dtype)
 
     @property
     def single_argnum(self) -> bool:
@@ -237,13 +222,15 @@ class Step:
             raise missing_scaler_state(self.api)
         return loss_scale.check_scaler_state(scaler_state)
 
-    def differentiable(self, args: Sequence[Any]) -> tuple[tuple[PyTree, ...], Callable]:
+    def differentiable(self, args: Sequence[Any]) -> tuple[tuple[PyTree, ...], Callable,
+                                                           sharding.Plan]:
         """The floating-point leaves of the differentiated arguments, and how to put them back.
 
-        Returns ``(diff, rebuild)``: ``diff`` holds one tree per differentiated
-        argument, with ``None`` in place of leaves that are not floating-point
-        arrays; ``rebuild(diff)`` returns the full argument list with those
-        leaves replaced.
+        Returns ``(diff, rebuild, devices)``: ``diff`` holds one tree per
+        differentiated argument, with ``None`` in place of leaves that are not
+        floating-point arrays (inside ``shard_map``, marked varying over the
+        data axes); ``rebuild(diff)`` returns the full argument list with
+        those leaves replaced; ``devices`` is for :meth:`finish`.
         """
         positions = resolve_positions(self.nums, len(args), "argnums", self.argnums)
         parts = [casting.partition(args[i]) for i in positions]
@@ -253,8 +240,7 @@ class Step:
                 f"No floating-point array leaves to differentiate in the argument(s) "
                 f"argnums={self.argnums!r}. Gradients are taken with respect to float arrays only."
             )
-        if self.axis_name is not None:
-            diff = jax.tree_util.tree_map(lambda x: mark_varying(x, self.axis_name), diff)
+        diff, devices = sharding.prepare(diff, self.axis_name)
 
         def rebuild(new_diff):
             full = list(args)
@@ -262,7 +248,7 @@ class Step:
                 full[pos] = casting.combine(chosen, rest)
             return full
 
-        return diff, rebuild
+        return diff, rebuild, devices
 
     def no_cast_positions(self, n_args: int) -> list[int]:
         return resolve_positions(self.no_cast_nums, n_args, "no_cast_argnums", self.no_cast_nums)
@@ -302,18 +288,17 @@ class Step:
                 lambda g: g * jnp.asarray(1.0 / divisor, g.dtype), grads)
         return jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, diff)
 
-    def finish(self, loss: jax.Array, aux: Any, grads: PyTree,
-               state: loss_scale.ScalerState) -> tuple[Any, PyTree, loss_scale.ScalerState, jax.Array]:
+    def finish(self, loss: jax.Array, aux: Any, grads: PyTree, state: loss_scale.ScalerState,
+               devices: sharding.Plan) -> tuple[Any, PyTree, loss_scale.ScalerState, jax.Array]:
         """The end of every step, once the gradients are unscaled.
 
-        Averages loss and gradients over ``axis_name``, checks finiteness (the
-        same answer on every device), adjusts the scaler, and packs the results
-        as :func:`jaxmp.mp_value_and_grad` returns them.
+        Averages loss and gradients over the data axes (in ``reduce_dtype``),
+        checks finiteness (the same answer on every device of the mesh),
+        adjusts the scaler, and packs the results as
+        :func:`jaxmp.mp_value_and_grad` returns them.
         """
-        if self.axis_name is not None:
-            loss = jax.lax.pmean(loss, self.axis_name)
-            grads = jax.lax.pmean(grads, self.axis_name)
-        finite = loss_scale.all_finite(grads, self.axis_name)
+        loss, grads = sharding.mean_over_devices(loss, grads, devices, self.reduce_dtype)
+        finite = loss_scale.all_finite(grads, devices.axes or None)  # one verdict, every axis
         if self.use_mixed_precision:
             state = loss_scale.adjust(state, finite)
         grads = grads[0] if self.single_argnum else grads

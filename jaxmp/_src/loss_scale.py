@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxmp._src import casting
+from jaxmp._src import sharding
 
 PyTree = Any
 
@@ -352,12 +353,16 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
 def all_finite(tree: PyTree, axis_name: Any = None) -> jax.Array:
     """Whether every floating-point leaf of ``tree`` is free of inf and NaN.
 
+    Inside ``shard_map`` (or ``pmap``) the answer is reduced over every manual
+    axis of the mesh, so every device gets the same flag even when only one
+    shard on one device overflowed: a scaler adjusted with it stays the same
+    everywhere.
+
     Args:
         tree: any pytree; leaves that are not floating-point arrays are ignored.
-        axis_name: inside ``shard_map`` or ``pmap``, the name (or tuple of
-            names) of the device axes. The answer is then reduced over those
-            devices, so every device gets the same flag even when only one of
-            them overflowed.
+        axis_name: further axis name(s) to reduce over, e.g. a ``vmap`` axis;
+            mesh axes are always included. An axis that is not bound where
+            this is traced raises ``ValueError``.
 
     Returns:
         A scalar boolean array (``True`` for a tree with no floating leaves).
@@ -372,10 +377,9 @@ def all_finite(tree: PyTree, axis_name: Any = None) -> jax.Array:
     finite = jnp.asarray(True)
     for x in leaves:
         finite = finite & jnp.all(jnp.isfinite(x))
-    if axis_name is not None:
-        # pmin over devices: one device with a non-finite value makes all agree.
-        finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-    return finite
+    axes = None if axis_name is None else sharding.check_bound(axis_name)
+    # pmin over devices: one device with a non-finite value makes all agree.
+    return sharding.verdict(finite, axes)
 
 
 def scaler_metrics(state: ScalerState) -> dict[str, jax.Array]:

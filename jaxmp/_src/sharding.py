@@ -1,0 +1,417 @@
+"""Device axes for mixed-precision steps: which axes to average over, and how.
+
+A gradient step inside ``jax.shard_map`` (or ``pmap``) runs once per device.
+This module decides, at trace time, what jaxmp does about the other devices:
+
+* :func:`data_axes` checks ``axis_name`` against the axes bound where the step
+  is traced, and refuses the silent mistakes (a forgotten ``axis_name`` inside
+  ``shard_map``, an axis that is not bound).
+* :func:`prepare` marks the differentiated leaves as varying over the data
+  axes, so autodiff returns each device's own gradient instead of summing
+  replicated gradients by itself in the compute dtype.
+* :func:`mean_over_devices` turns those per-device results into the loss and
+  gradients of the mean of the per-device losses, in a chosen reduction dtype
+  (float32 by default). Leaves sharded over a data axis and gathered in the
+  forward pass (FSDP) already hold autodiff's sum over devices: they are only
+  divided, never averaged with other devices' shards.
+* :func:`verdict` makes one finiteness flag for every device of the mesh, over
+  every manual axis, whatever ``axis_name`` lists, so the scaler state stays
+  replicated.
+* :func:`widen_gradient_products` reaches the sums jaxmp does not write (XLA's
+  under ``jit``, autodiff's for an FSDP ``all_gather``) when ``reduce_dtype``
+  is float32.
+
+Which leaves are sharded is read from JAX's varying-manual-axes types (the
+default ``check_vma=True`` of ``shard_map``). Without them (``check_vma=False``,
+``pmap``, ``vmap`` axes) every leaf is taken as replicated over the data axes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp._src import casting
+
+PyTree = Any
+
+
+def manual_axes() -> tuple[str, ...]:
+    """The manual mesh axes where this is traced: inside ``shard_map``/``pmap``, else ``()``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    return tuple(mesh.manual_axes)
+
+
+def _names(axis_name: Any) -> tuple[Any, ...]:
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def check_bound(axis_name: Any, what: str = "axis_name") -> tuple[Any, ...]:
+    """Returns ``axis_name`` as a tuple of names, raising if one is not bound here.
+
+    A name is bound inside ``shard_map`` (a manual axis of its mesh), ``pmap``
+    or ``vmap`` with that ``axis_name``.
+    """
+    names = _names(axis_name)
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = manual_axes()
+    for name in names:
+        if not mesh.empty and name in mesh.axis_names and name not in manual:
+            raise ValueError(
+                f"{what}={axis_name!r}: mesh axis {name!r} is not a manual axis of the "
+                f"shard_map this is traced in (manual axes: {manual}). Collectives only run "
+                "over manual axes: add it to shard_map's axis_names, or leave it out of "
+                f"{what} (XLA partitions automatic axes by itself)."
+            )
+        try:
+            jax.lax.axis_size(name)
+        except NameError:
+            where = (f"inside a shard_map over the manual axes {manual}" if manual
+                     else "outside shard_map, pmap and vmap")
+            hint = (f"pass some of {manual}" if manual else
+                    "under jit with NamedSharding, leave it None: XLA inserts the "
+                    "reductions itself")
+            raise ValueError(
+                f"{what}={axis_name!r}: axis {name!r} is not bound here ({where}); {hint}."
+            ) from None
+    return names
+
+
+def data_axes(axis_name: Any, what: str = "axis_name") -> tuple[Any, ...] | None:
+    """Validates ``axis_name`` for a gradient step and returns the data axes.
+
+    Args:
+        axis_name: the data-parallel axis name(s) a user passed, ``()`` to opt
+            out of averaging, or ``None``.
+        what: the argument's name in error messages.
+
+    Returns:
+        ``None`` outside ``shard_map``/``pmap`` with ``axis_name=None`` (nothing
+        to do); otherwise the tuple of data axes (possibly empty).
+
+    Raises:
+        ValueError: inside ``shard_map`` with ``axis_name=None`` (the gradients
+            would silently be per device, or summed by autodiff), or for an
+            axis that is not bound.
+    """
+    if axis_name is None:
+        manual = manual_axes()
+        if manual:
+            raise ValueError(
+                f"This gradient step is traced inside shard_map (or pmap) over the manual "
+                f"axes {manual} but {what}=None. Pass the data-parallel axes, those the "
+                f"batch is split over, e.g. {what}={manual[0]!r}: the loss and gradients are "
+                f"then those of the mean of the per-device losses. Pass {what}=() for "
+                "per-device gradients (finite and the scaler still agree on every device)."
+            )
+        return None
+    return check_bound(axis_name, what)
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The manual axes over which ``x`` is typed as varying (empty outside ``shard_map``)."""
+    try:
+        return frozenset(jax.typeof(x).manual_axis_type.varying)
+    except AttributeError:
+        return frozenset()
+
+
+def tracks_varying(axes: tuple[Any, ...]) -> bool:
+    """Whether varying-manual-axes types are tracked for ``axes`` (``check_vma=True``).
+
+    Needs every axis to be a manual mesh axis; ``pmap``, ``vmap`` and
+    ``shard_map(..., check_vma=False)`` do not track them.
+    """
+    manual = manual_axes()
+    if not axes or not all(a in manual for a in axes):
+        return False
+    probe = jax.lax.pcast(jnp.zeros((), jnp.float32), tuple(axes), to="varying")
+    return set(axes) <= varying_axes(probe)
+
+
+def as_varying(tree: PyTree, axes: tuple[Any, ...]) -> PyTree:
+    """Marks every array leaf of ``tree`` as varying over ``axes`` (no data moves)."""
+    manual = manual_axes()
+    axes = tuple(a for a in axes if a in manual)
+    if not axes:
+        return tree
+
+    def cast(x):
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree_util.tree_map(cast, tree)
+
+
+class Plan(NamedTuple):
+    """What :func:`prepare` learnt about a step's devices, for :func:`mean_over_devices`.
+
+    Attributes:
+        axes: the data axes from :func:`data_axes` (``None`` outside ``shard_map``).
+        sharded: mirrors the differentiated leaves; for each, the data axes it
+            was already varying over (sharded over them, as FSDP parameters
+            are).
+    """
+
+    axes: tuple[Any, ...] | None
+    sharded: PyTree
+
+
+def prepare(diff: PyTree, axis_name: Any) -> tuple[PyTree, Plan]:
+    """Validates ``axis_name`` and prepares the differentiated leaves of a step.
+
+    Returns ``(diff, plan)``: ``diff`` marked varying over the data axes, so
+    that each device gets its own gradient (over every manual axis for
+    ``axis_name=()``), and the :class:`Plan` for :func:`mean_over_devices`.
+    """
+    axes = data_axes(axis_name)
+    nothing = jax.tree_util.tree_map(lambda x: frozenset(), diff)
+    if axes is None:
+        return diff, Plan(None, nothing)
+    if not axes:  # opted out: each device's own gradient, nothing summed by autodiff
+        return as_varying(diff, manual_axes()), Plan((), nothing)
+    sharded = jax.tree_util.tree_map(lambda x: varying_axes(x) & set(axes), diff)
+    return as_varying(diff, axes), Plan(axes, sharded)
+
+
+def _size(axes) -> int:
+    return math.prod(jax.lax.axis_size(a) for a in axes)
+
+
+def _mean_in_device_order(x: jax.Array, axes: tuple[Any, ...], count: int) -> jax.Array:
+    """The mean of a scalar over ``axes``, summed in device order whatever the collective backend.
+
+    An all-reduce may add in any order (gloo across processes, XLA within one),
+    which changes the last bit of a float32 loss; gathering the values and
+    adding them here does not. ``pmax`` of the (equal) results is exact and
+    types the result as the same on every device.
+    """
+    total = jnp.sum(jax.lax.all_gather(x, axes))
+    return jax.lax.pmax(total / jnp.asarray(count, total.dtype), axes)
+
+
+def mean_over_devices(
+    loss: jax.Array, grads: PyTree, plan: Plan, reduce_dtype: Any = None
+) -> tuple[jax.Array, PyTree]:
+    """The loss and gradients of the mean of the per-device losses over ``axes``.
+
+    ``grads`` are the unscaled gradients of the per-device ``loss`` with
+    respect to leaves prepared by :func:`prepare`. A leaf replicated over a
+    data axis has one gradient per device there: they are summed. A leaf
+    sharded over it already holds autodiff's sum over the devices of the
+    gradients of its shard: it is kept, so shards are never mixed. Both are
+    divided by the number of devices whose losses differ (those over which
+    ``loss`` is varying, all of ``axes`` when varying types are not tracked).
+
+    Args:
+        loss: this device's float32 loss.
+        grads: the unscaled gradients (``None`` leaves are left alone).
+        plan: from :func:`prepare`; no data axes (``None`` or ``()``) does nothing.
+        reduce_dtype: the dtype of the sums over devices; ``None`` means the
+            gradient's dtype raised to at least float32. Results come back in
+            each gradient's dtype.
+
+    Returns:
+        ``(loss, grads)``.
+    """
+    axes, sharded = plan
+    if not axes:
+        return loss, grads
+    if tracks_varying(axes):
+        loss_axes = tuple(a for a in axes if a in varying_axes(loss))
+    else:  # no types to read: every leaf replicated, every loss different
+        loss_axes = tuple(axes)
+        sharded = jax.tree_util.tree_map(lambda s: frozenset(), sharded)
+    count = _size(loss_axes)
+    if loss_axes:
+        loss = _mean_in_device_order(loss, loss_axes, count)
+
+    leaves, treedef = jax.tree_util.tree_flatten(grads)
+    flags = treedef.flatten_up_to(sharded)
+    groups: dict[tuple, list[int]] = {}
+    for i, (g, done) in enumerate(zip(leaves, flags)):
+        groups.setdefault(tuple(a for a in axes if a not in done), []).append(i)
+    out = list(leaves)
+    for sum_axes, idx in groups.items():
+        wide = [leaves[i].astype(reduce_dtype or casting.wide_dtype(leaves[i].dtype)) for i in idx]
+        if sum_axes:
+            wide = jax.lax.psum(wide, sum_axes)  # one all-reduce for the whole group
+        for i, w in zip(idx, wide):
+            if count != 1:
+                w = w / jnp.asarray(count, w.dtype)
+            out[i] = w.astype(leaves[i].dtype)
+    return loss, jax.tree_util.tree_unflatten(treedef, out)
+
+
+def verdict(finite: jax.Array, axes: tuple[Any, ...] | None = None) -> jax.Array:
+    """One finiteness flag for every device: the minimum over every manual axis and ``axes``.
+
+    The flag is then typed as invariant over the mesh, so the scaler state
+    adjusted with it stays replicated (``out_specs=P()`` works).
+    """
+    over = tuple(dict.fromkeys(manual_axes() + tuple(axes or ())))
+    if not over:
+        return finite
+    flag = as_varying(finite.astype(jnp.int32), over)
+    return jax.lax.pmin(flag, over).astype(jnp.bool_)
+
+
+def check_reduce_dtype(reduce_dtype: Any) -> np.dtype | None:
+    """``None`` (float32 or wider, per leaf) or a floating dtype for gradient reductions."""
+    if reduce_dtype is None:
+        return None
+    return casting.canonical_float_dtype(
+        reduce_dtype, allowed=casting.COMPUTE_DTYPES, what="reduce_dtype"
+    )
+
+
+# --- Reductions jaxmp does not write: XLA's under jit, autodiff's for FSDP gathers ------------------
+#
+# Under jit with NamedSharding, XLA's partitioner puts the sum over devices of a weight gradient on
+# the output of the matrix product that contracts the batch axis, in that product's dtype: float16,
+# on scaled values. Casting the parameter in a custom_vjp does not move it (the all-reduce comes
+# before the cast). What does is the product itself producing float32: the functions below run a
+# loss function with every half-precision ``dot_general`` replaced by one whose operand gradients
+# come out of the product in ``reduce_dtype`` (float16 operands, float32 accumulation and output,
+# as on GPUs), then are cast back to the operand's dtype. Inside shard_map the same is done for the
+# reduce-scatter that differentiates an ``all_gather`` of a half-precision parameter (FSDP).
+
+
+def _gradient_dot(g, y, x_ndim, dims, swap, precision, out_dtype):
+    """The gradient of ``dot_general`` for its operand ``x`` (``y`` the other), as JAX's rule."""
+    (x_contract, y_contract), (x_batch, y_batch) = dims
+    x_kept = [i for i in range(x_ndim) if i not in x_contract and i not in x_batch]
+    y_kept = [i for i in range(y.ndim) if i not in y_contract and i not in y_batch]
+    nb = len(x_batch)
+    start = nb if swap else nb + len(x_kept)  # where y's kept axes sit in the output
+    g_dims = ((tuple(range(start, start + len(y_kept))), tuple(y_kept)),
+              (tuple(range(nb)), tuple(y_batch)))
+    out = jax.lax.dot_general(g, y, g_dims, precision=precision, preferred_element_type=out_dtype)
+    order = list(x_batch) + x_kept + list(np.take(x_contract, np.argsort(y_contract)))
+    return jax.lax.transpose(out, tuple(int(i) for i in np.argsort(order)))
+
+
+def _wide_gradient_dot(eqn, wide):
+    dims = eqn.params["dimension_numbers"]
+    precision = eqn.params.get("precision")
+
+    @jax.custom_vjp
+    def dot(x, y):
+        return eqn.primitive.bind(x, y, **eqn.params)
+
+    def fwd(x, y):
+        return dot(x, y), (x, y)
+
+    def bwd(res, g):
+        x, y = res
+        g = g.astype(x.dtype)
+        (xc, yc), (xb, yb) = dims
+        dx = _gradient_dot(g, y, x.ndim, dims, False, precision, wide)
+        dy = _gradient_dot(g, x, y.ndim, ((yc, xc), (yb, xb)), True, precision, wide)
+        return dx.astype(x.dtype), dy.astype(y.dtype)
+
+    dot.defvjp(fwd, bwd)
+    return dot
+
+
+def _wide_gradient_gather(eqn, wide):
+    """``all_gather`` whose gradient (a reduce-scatter) is summed in ``wide``: FSDP in shard_map."""
+    params = eqn.params
+
+    @jax.custom_vjp
+    def gather(x):
+        return eqn.primitive.bind(x, **params)
+
+    dtype = eqn.invars[0].aval.dtype
+
+    def fwd(x):
+        return gather(x), None
+
+    def bwd(_, g):
+        out = jax.lax.psum_scatter(
+            g.astype(wide), params["axis_name"], scatter_dimension=params["all_gather_dimension"],
+            axis_index_groups=params["axis_index_groups"], tiled=params["tiled"])
+        return (out.astype(dtype),)
+
+    gather.defvjp(fwd, bwd)
+    return gather
+
+
+def _widen_closed(closed, wide, manual):
+    """``closed`` (a ClosedJaxpr) with its half-precision products rewritten, same signature."""
+    avals = [v.aval for v in closed.jaxpr.invars]  # keeps weak types and varying axes
+    return jax.make_jaxpr(
+        lambda *a: _eval_widened(closed.jaxpr, closed.consts, a, wide, manual))(*avals)
+
+
+def _eval_widened(jaxpr, consts, args, wide, manual):
+    from jax.extend import core as jex_core  # pylint: disable=g-import-not-at-top
+
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        params = dict(eqn.params)
+        half = [a.dtype for a in (v.aval for v in eqn.invars)
+                if casting.is_float_dtype(a.dtype) and a.dtype in casting.HALF_DTYPES]
+        name = eqn.primitive.name
+        if name == "dot_general" and not manual and len(half) == 2 and half[0] == half[1]:
+            outs = [_wide_gradient_dot(eqn, wide)(*invals)]
+        elif name == "all_gather" and manual and half:
+            outs = [_wide_gradient_gather(eqn, wide)(*invals)]
+        else:
+            for key, value in eqn.params.items():  # pjit, scan, while, remat: their bodies
+                if isinstance(value, jex_core.ClosedJaxpr):
+                    params[key] = _widen_closed(value, wide, manual)
+                elif isinstance(value, jex_core.Jaxpr) and not value.constvars:  # remat
+                    closed = _widen_closed(jex_core.ClosedJaxpr(value, ()), wide, manual)
+                    if not closed.consts:
+                        params[key] = closed.jaxpr
+                elif isinstance(value, tuple) and value and all(
+                        isinstance(b, jex_core.ClosedJaxpr) for b in value):  # cond branches
+                    params[key] = tuple(_widen_closed(b, wide, manual) for b in value)
+            bind_params = eqn.primitive.get_bind_params(params)
+            outs = eqn.primitive.bind(*invals, **bind_params)
+            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def widen_gradient_products(fn, reduce_dtype: Any):
+    """``fn`` whose gradient reductions across devices run in ``reduce_dtype``.
+
+    Under ``jit`` with ``NamedSharding``, every half-precision matrix product
+    gives its operand gradients in ``reduce_dtype`` (then cast back), so the
+    sums over devices that XLA inserts after the weight-gradient products run
+    in ``reduce_dtype``. Inside ``shard_map``, every half-precision
+    ``all_gather`` (FSDP) sums its gradient, a reduce-scatter, in
+    ``reduce_dtype``. With ``reduce_dtype=None``, ``fn`` is returned as it is.
+    Operations inside custom derivative rules are left as written.
+    """
+    if reduce_dtype is None or np.dtype(reduce_dtype).itemsize < 4:
+        return fn  # half-precision reductions: XLA's and autodiff's already are
+
+    def widened(*args, **kwargs):
+        manual = bool(manual_axes())
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        traced = [casting.is_array(x) for x in leaves]
+        arrays = [x for x, t in zip(leaves, traced) if t]
+
+        def flat_fn(*arrays):
+            it = iter(arrays)
+            a, k = jax.tree_util.tree_unflatten(tree, [next(it) if t else x
+                                                       for x, t in zip(leaves, traced)])
+            return fn(*a, **k)
+
+        closed, shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
+        outs = _eval_widened(closed.jaxpr, closed.consts, arrays, reduce_dtype, manual)
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), outs)
+
+    return widened
