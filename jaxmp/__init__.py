@@ -23,6 +23,8 @@ from jaxmp._src.loss_scale import scale
 from jaxmp._src.loss_scale import ScalerState
 from jaxmp._src.loss_scale import scaler_metrics
 from jaxmp._src.loss_scale import static_scaler
+from jaxmp._src.loss_scale import TrainingStuckError
+from jaxmp._src.loss_scale import TrainingStuckWarning
 from jaxmp._src.loss_scale import unscale
 from jaxmp._src.policy import get_policy
 from jaxmp._src.policy import Policy
@@ -59,5 +61,7 @@ __all__ = (
     "scaler_metrics",
     "select_tree",
     "static_scaler",
+    "TrainingStuckError",
+    "TrainingStuckWarning",
     "unscale",
 )

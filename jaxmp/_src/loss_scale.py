@@ -13,15 +13,25 @@ Three modes share the one state type:
 * ``"static"`` (:func:`static_scaler`): a fixed scale.
 * ``"none"`` (:func:`noop_scaler`): no scaling at all, for bfloat16 or float32;
   finiteness is still tracked so that non-finite steps are skipped.
+
+Every mode also watches for *stuck* training: when the scale sits at its
+minimum and steps keep overflowing, no step can ever be applied again.
+:func:`adjust` then says so once (a :class:`TrainingStuckWarning` by default,
+an error or nothing, by the ``on_stuck`` setting), from inside the step: a
+``jax.debug.callback`` under ``lax.cond`` that runs only on that step, so a
+healthy step never calls back to the host.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxmp._src import casting
@@ -30,6 +40,24 @@ PyTree = Any
 
 _FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
 _MODES = ("dynamic", "static", "none")
+ON_STUCK = ("warn", "raise", "off")
+
+
+class TrainingStuckWarning(RuntimeWarning):
+    """Issued once when every step overflows at the minimum loss scale.
+
+    Filter it like any warning, e.g.
+    ``warnings.simplefilter("error", jaxmp.TrainingStuckWarning)``, or choose
+    ``on_stuck="raise"`` / ``"off"`` when creating the scaler.
+    """
+
+
+class TrainingStuckError(RuntimeError):
+    """Raised (with ``on_stuck="raise"``) when every step overflows at the minimum loss scale.
+
+    Inside ``jit`` it reaches the caller wrapped in JAX's runtime error, whose
+    message contains this one.
+    """
 
 
 @struct.dataclass
@@ -50,6 +78,14 @@ class ScalerState:
         mode: ``"dynamic"``, ``"static"`` or ``"none"`` (static field).
         growth_interval, growth_factor, backoff_factor, min_scale, max_scale,
         hysteresis: the settings (static fields).
+        on_stuck: what :func:`adjust` does when training is stuck, that is when
+            ``stuck_after`` consecutive steps have overflowed and the scale is
+            at ``min_scale``: ``"warn"`` (a :class:`TrainingStuckWarning`, the
+            default), ``"raise"`` (a :class:`TrainingStuckError`) or ``"off"``
+            (static field).
+        stuck_after: the number of consecutive overflowing steps, counted by
+            ``overflow_streak``, after which training at ``min_scale`` is
+            called stuck (static field).
     """
 
     scale: jax.Array
@@ -63,6 +99,8 @@ class ScalerState:
     min_scale: float = struct.field(pytree_node=False, default=1.0)
     max_scale: float = struct.field(pytree_node=False, default=2.0**24)
     hysteresis: int = struct.field(pytree_node=False, default=1)
+    on_stuck: str = struct.field(pytree_node=False, default="warn")
+    stuck_after: int = struct.field(pytree_node=False, default=10)
 
 
 def _check_number(name: str, value: Any, *, integer: bool = False) -> float | int:
@@ -83,13 +121,25 @@ def _check_number(name: str, value: Any, *, integer: bool = False) -> float | in
     return value
 
 
-def _make_state(initial_scale, mode, **settings) -> ScalerState:
+def _check_stuck_settings(on_stuck: Any, stuck_after: Any) -> tuple[str, int]:
+    if on_stuck not in ON_STUCK:
+        raise ValueError(f"on_stuck must be one of {', '.join(map(repr, ON_STUCK))}, got {on_stuck!r}.")
+    stuck_after = _check_number("stuck_after", stuck_after, integer=True)
+    if stuck_after < 1:
+        raise ValueError(f"stuck_after must be >= 1, got {stuck_after}.")
+    return on_stuck, stuck_after
+
+
+def _make_state(initial_scale, mode, *, on_stuck, stuck_after, **settings) -> ScalerState:
+    on_stuck, stuck_after = _check_stuck_settings(on_stuck, stuck_after)
     return ScalerState(
         scale=jnp.asarray(initial_scale, jnp.float32),
         steps_since_overflow=jnp.zeros((), jnp.int32),
         overflow_streak=jnp.zeros((), jnp.int32),
         skipped_steps=jnp.zeros((), jnp.int32),
         mode=mode,
+        on_stuck=on_stuck,
+        stuck_after=stuck_after,
         **settings,
     )
 
@@ -102,6 +152,9 @@ def init_scaler(
     min_scale: float = 1.0,
     max_scale: float = 2.0**24,
     hysteresis: int = 1,
+    *,
+    on_stuck: str = "warn",
+    stuck_after: int = 10,
 ) -> ScalerState:
     """Creates the state of a dynamic loss scaler.
 
@@ -120,6 +173,12 @@ def init_scaler(
         max_scale: upper bound of the scale (at most float32's largest value).
         hysteresis: consecutive overflows tolerated before backing off
             (a whole number >= 1; 1 backs off on every overflow).
+        on_stuck: ``"warn"`` (default), ``"raise"`` or ``"off"``: what to do
+            when training is stuck, i.e. when ``stuck_after`` consecutive
+            steps have overflowed and the scale is at ``min_scale`` (see
+            :func:`adjust`).
+        stuck_after: consecutive overflowing steps before training at
+            ``min_scale`` counts as stuck (a whole number >= 1).
 
     Returns:
         A :class:`ScalerState`.
@@ -128,11 +187,12 @@ def init_scaler(
         ValueError: if a setting is out of range, e.g. ``backoff_factor=2``.
 
     Examples:
-        >>> state = init_scaler(initial_scale=1024.0, growth_interval=2)
-        >>> state = adjust(adjust(state, True), True)
+        >>> import jaxmp
+        >>> state = jaxmp.init_scaler(initial_scale=1024.0, growth_interval=2)
+        >>> state = jaxmp.adjust(jaxmp.adjust(state, True), True)
         >>> float(state.scale)
         2048.0
-        >>> float(adjust(state, False).scale)
+        >>> float(jaxmp.adjust(state, False).scale)
         1024.0
     """
     initial_scale = _check_number("initial_scale", initial_scale)
@@ -170,39 +230,47 @@ def init_scaler(
         min_scale=min_scale,
         max_scale=max_scale,
         hysteresis=hysteresis,
+        on_stuck=on_stuck,
+        stuck_after=stuck_after,
     )
 
 
-def static_scaler(scale: float) -> ScalerState:
+def static_scaler(scale: float, *, on_stuck: str = "warn", stuck_after: int = 10) -> ScalerState:
     """Creates a scaler with a fixed scale.
 
     Non-finite steps are still counted and reported, so that they can be
-    skipped, but the scale never changes.
+    skipped, but the scale never changes. ``on_stuck`` and ``stuck_after``
+    are as for :func:`init_scaler` (the fixed scale is the minimum).
 
     Examples:
-        >>> state = static_scaler(128.0)
-        >>> float(adjust(state, False).scale)
+        >>> import jaxmp
+        >>> state = jaxmp.static_scaler(128.0)
+        >>> float(jaxmp.adjust(state, False).scale)
         128.0
     """
     scale = _check_number("scale", scale)
     if not 0.0 < scale <= _FLOAT32_MAX:
         raise ValueError(f"scale must be positive and fit in float32, got {scale}.")
-    return _make_state(scale, "static", min_scale=scale, max_scale=scale)
+    return _make_state(scale, "static", min_scale=scale, max_scale=scale, on_stuck=on_stuck,
+                       stuck_after=stuck_after)
 
 
-def noop_scaler() -> ScalerState:
+def noop_scaler(*, on_stuck: str = "warn", stuck_after: int = 10) -> ScalerState:
     """Creates a scaler that does not scale: for bfloat16 or float32 training.
 
     :func:`scale` and :func:`unscale` only convert to float32; :func:`adjust`
-    counts skipped steps. The interface is that of the other scalers, so a
-    training loop does not change.
+    counts skipped steps, and says when ``stuck_after`` consecutive steps were
+    not finite (``on_stuck``, as for :func:`init_scaler`). The interface is
+    that of the other scalers, so a training loop does not change.
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> float(scale(noop_scaler(), jnp.asarray(3.0)))
+        >>> import jaxmp
+        >>> float(jaxmp.scale(jaxmp.noop_scaler(), jnp.asarray(3.0)))
         3.0
     """
-    return _make_state(1.0, "none", min_scale=1.0, max_scale=1.0)
+    return _make_state(1.0, "none", min_scale=1.0, max_scale=1.0, on_stuck=on_stuck,
+                       stuck_after=stuck_after)
 
 
 def check_scaler_state(state: Any, name: str = "scaler_state") -> ScalerState:
@@ -284,6 +352,45 @@ def check_finite_flag(finite: Any) -> jax.Array:
     return finite
 
 
+def stuck_message(state: ScalerState, streak: int) -> str:
+    """The text a user reads when training is stuck (see :func:`adjust`).
+
+    Only the settings of ``state`` (static fields) are read.
+    """
+    if state.mode == "none":
+        where = "without loss scaling"
+        cause = ("The loss or the gradients are inf/NaN whatever the step: an operation "
+                 "overflows (or divides by zero) in this precision.")
+    else:
+        where = f"at the minimum loss scale ({state.min_scale:g})"
+        cause = ("Lowering the scale cannot help: an operation overflows float16 by itself, "
+                 "typically the backward pass of a normalisation (rsqrt of a small variance), "
+                 "a softmax or a large sum computed in float16.")
+    return (
+        f"jaxmp: training is stuck. The last {streak} steps all had non-finite gradients "
+        f"{where} and were skipped: the parameters no longer change. {cause}\n"
+        "  Find the operation:  print(jaxmp.find_nonfinite(loss_fn, compute_dtype=...)"
+        "(params, batch, scaler_state=scaler_state))\n"
+        "  Then fix it with one of: mp_value_and_grad(..., autocast=True) (sums, variances, "
+        "exp/log in float32); jaxmp.force_full_precision around the overflowing code; "
+        "compute_dtype=jnp.bfloat16 (float32's range); float32 master weights.\n"
+        f"  (Said once per stuck run; the scaler's on_stuck='{state.on_stuck}' setting: "
+        "'warn', 'raise' or 'off'.)"
+    )
+
+
+def _report_stuck(settings: ScalerState, fire: Any, streak: Any) -> None:
+    """Host side of the stuck check; only called on the step that gets stuck."""
+    # Under vmap, lax.cond becomes a select and this runs for every step: check again.
+    fire = np.asarray(fire)
+    if not fire.any():
+        return
+    message = stuck_message(settings, int(np.max(np.asarray(streak))))
+    if settings.on_stuck == "raise":
+        raise TrainingStuckError(message)
+    warnings.warn(message, TrainingStuckWarning, stacklevel=1)
+
+
 def adjust(state: ScalerState, finite: Any) -> ScalerState:
     """Returns the state after a step whose gradients were ``finite`` or not.
 
@@ -291,12 +398,34 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
     The result has exactly the type of ``state`` (same dtypes, same settings),
     so a scan carry or a jit cache never sees a new type.
 
+    It also detects stuck training: on the first step at which the last
+    ``state.stuck_after`` steps have all overflowed *and* the scale is at
+    ``min_scale``, it warns (``on_stuck="warn"``, a
+    :class:`TrainingStuckWarning`), raises (``"raise"``, a
+    :class:`TrainingStuckError`) or does nothing (``"off"``). The message
+    says what to do. It is said once per stuck run (the next finite step
+    starts a new count), through a ``jax.debug.callback`` that only the stuck
+    step executes: healthy steps never call back to the host.
+
     Args:
         state: a :class:`ScalerState`.
         finite: scalar boolean, whether the step's gradients were all finite.
 
     Returns:
         The new :class:`ScalerState`.
+
+    Examples:
+        >>> import warnings
+        >>> import jaxmp
+        >>> state = jaxmp.init_scaler(initial_scale=4.0, stuck_after=3)
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     for _ in range(5):
+        ...         state = jaxmp.adjust(state, False)
+        >>> float(state.scale), int(state.overflow_streak), len(caught)
+        (1.0, 5, 1)
+        >>> str(caught[0].message).startswith("jaxmp: training is stuck. The last 3 steps")
+        True
     """
     check_scaler_state(state)
     finite = check_finite_flag(finite)
@@ -312,8 +441,24 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
         grown = jnp.minimum(state.scale * state.growth_factor, state.max_scale)
         shrunk = jnp.maximum(state.scale * state.backoff_factor, state.min_scale)
         new_scale = jnp.where(grow, grown, jnp.where(back_off, shrunk, state.scale))
+    new_scale = new_scale.astype(jnp.float32)
+    if state.on_stuck != "off":
+        # Stuck now, and not yet after the previous step (whose result is
+        # ``state``): true on exactly one step of a run of overflows.
+        floor = jnp.asarray(state.min_scale, jnp.float32)
+        stuck = (streak >= state.stuck_after) & (new_scale <= floor)
+        was_stuck = (state.overflow_streak >= state.stuck_after) & (state.scale <= floor)
+        fire = stuck & jnp.logical_not(was_stuck)
+        # The callback gets the settings only (no traced arrays).
+        settings = jax.tree_util.tree_map(lambda _: None, state)
+        jax.lax.cond(
+            fire,
+            lambda f, n: jax.debug.callback(functools.partial(_report_stuck, settings), f, n),
+            lambda f, n: None,
+            fire, streak,
+        )
     return state.replace(
-        scale=new_scale.astype(jnp.float32),
+        scale=new_scale,
         steps_since_overflow=since.astype(jnp.int32),
         overflow_streak=streak.astype(jnp.int32),
         skipped_steps=skipped.astype(jnp.int32),
