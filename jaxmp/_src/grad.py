@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jaxmp._src import casting
 from jaxmp._src import loss_scale
+from jaxmp._src import update
 
 PyTree = Any
 
@@ -230,6 +231,7 @@ def mp_value_and_grad(
                 f"No floating-point array leaves to differentiate in the argument(s) "
                 f"argnums={argnums!r}. Gradients are taken with respect to float arrays only."
             )
+        update.warn_if_half_master_weights(diff, state, use_mixed_precision)
         if axis_name is not None:
             diff = jax.tree_util.tree_map(lambda x: _as_varying(x, axis_name), diff)
 
