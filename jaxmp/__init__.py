@@ -2,6 +2,7 @@
 
 from jaxmp._src.accumulate import accumulate_value_and_grad
 from jaxmp._src.autocast import autocast
+from jaxmp._src.autocast import AutocastRules
 from jaxmp._src.casting import cast_function
 from jaxmp._src.casting import cast_to_bfloat16
 from jaxmp._src.casting import cast_to_float16
@@ -38,6 +39,7 @@ __all__ = (
     "adjust",
     "all_finite",
     "autocast",
+    "AutocastRules",
     "cast_function",
     "cast_to_bfloat16",
     "cast_to_float16",
