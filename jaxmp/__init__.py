@@ -27,6 +27,9 @@ from jaxmp._src.loss_scale import static_scaler
 from jaxmp._src.loss_scale import TrainingStuckError
 from jaxmp._src.loss_scale import TrainingStuckWarning
 from jaxmp._src.loss_scale import unscale
+from jaxmp._src.nonfinite import find_nonfinite
+from jaxmp._src.nonfinite import Finding
+from jaxmp._src.nonfinite import NonfiniteReport
 from jaxmp._src.policy import get_policy
 from jaxmp._src.policy import Policy
 from jaxmp._src.update import optimizer_update
@@ -46,6 +49,8 @@ __all__ = (
     "cast_to_float32",
     "cast_to_half_precision",
     "cast_tree",
+    "find_nonfinite",
+    "Finding",
     "force_full_precision",
     "get_policy",
     "half_matmul_flop_share",
@@ -55,6 +60,7 @@ __all__ = (
     "mp_grad",
     "mp_value_and_grad",
     "noop_scaler",
+    "NonfiniteReport",
     "optimizer_update",
     "Policy",
     "scale",
