@@ -370,7 +370,7 @@ def stuck_message(state: ScalerState, streak: int) -> str:
         f"jaxmp: training is stuck. The last {streak} steps all had non-finite gradients "
         f"{where} and were skipped: the parameters no longer change. {cause}\n"
         "  Find the operation:  print(jaxmp.find_nonfinite(loss_fn, compute_dtype=...)"
-        "(params, batch, scaler_state=scaler_state))\n"
+        "(params, *batch))  (the same options as mp_value_and_grad)\n"
         "  Then fix it with one of: mp_value_and_grad(..., autocast=True) (sums, variances, "
         "exp/log in float32); jaxmp.force_full_precision around the overflowing code; "
         "compute_dtype=jnp.bfloat16 (float32's range); float32 master weights.\n"

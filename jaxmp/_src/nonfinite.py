@@ -47,6 +47,11 @@ _LIBRARY_DIRS = tuple(
     os.sep + name + os.sep for name in ("site-packages", "dist-packages", "jaxmp")
 )
 _MAX_PER_PASS = 12
+_MAX_UNDERFLOWS = 4
+# Float32 values this large are sentinels (a mask's -1e30), meant to become -inf.
+_SENTINEL = 1e30
+# An underflow is reported when at least this fraction of a result flushes to zero.
+_UNDERFLOW_FRACTION = 0.01
 _SCATTERS = {
     "scatter-add": jax.lax.scatter_add,
     "scatter_add": jax.lax.scatter_add,
@@ -322,9 +327,13 @@ class _Shadow(interpret.Interpreter):
                 f32_min, in_max):
         created, shadow_finite = bool(created), bool(shadow_finite)
         if created:
+            if shadow_finite and f32_max >= _SENTINEL and not np.isnan(half_max):
+                return  # e.g. jnp.where(mask, logits, -1e30): -inf in half precision, by design
             kind, count = ("overflow" if shadow_finite else "float32 too"), int(nonfinite)
         else:
             kind, count = "underflow", int(underflow)
+            if count < _UNDERFLOW_FRACTION * self.sites[site].size:
+                return  # a few tiny values flushed to zero: rounding, not a problem
         key = (site, kind)
         if key not in self.records:  # the first time (e.g. the first scan iteration) is kept
             self.records[key] = dict(count=count, half_max=float(half_max),
@@ -453,7 +462,7 @@ def _collect(shadow: _Shadow, phase_of: Callable, scale: float, half: np.dtype,
     kept, per = [], {}
     for f in findings:
         per[(f.phase, f.kind)] = per.get((f.phase, f.kind), 0) + 1
-        if per[(f.phase, f.kind)] <= _MAX_PER_PASS:
+        if per[(f.phase, f.kind)] <= (_MAX_UNDERFLOWS if f.kind == "underflow" else _MAX_PER_PASS):
             kept.append(f)
     return kept
 
@@ -474,14 +483,15 @@ def find_nonfinite(
     beside a float32 shadow of the same computation and reports, for the
     forward and the backward pass, the operations whose inputs were finite
     and whose half-precision result is inf or NaN while the float32 shadow is
-    finite, and those whose result flushed to zero where float32 has a
-    non-zero value; each with the Python line it comes from, the magnitudes in
+    finite, and those where at least 1% of the result flushed to zero while
+    float32 has non-zero values; each with the Python line it comes from, the magnitudes in
     half precision and in float32, and a hint.
 
     It is a debugging tool: it runs eagerly, operation by operation, and is
     slow on a large model (give it one batch). It does not change anything:
     the training step is untouched. Control flow (``cond``, ``while``) follows
-    the half-precision values.
+    the half-precision values. Float32 values beyond 1e30 are taken for
+    sentinels (a mask's ``-1e30``) whose overflow to ``-inf`` is intended.
 
     Args:
         loss_fn: the loss function, as given to :func:`jaxmp.mp_value_and_grad`.
