@@ -346,3 +346,16 @@ def test_stuck_settings_survive_round_trips():
     for s in (jax.tree_util.tree_unflatten(treedef, flat), jax.jit(lambda s: s)(state),
               serialization.from_bytes(state, serialization.to_bytes(state))):
         assert (s.on_stuck, s.stuck_after) == ("raise", 7)
+
+
+def test_healthy_steps_never_call_back_to_the_host(monkeypatch):
+    from jaxmp._src import loss_scale  # pylint: disable=g-import-not-at-top
+    calls = []
+    original = loss_scale._report_stuck  # pylint: disable=protected-access
+    monkeypatch.setattr(loss_scale, "_report_stuck", lambda *a: (calls.append(1), original(*a)))
+    state = jaxmp.init_scaler(initial_scale=2.0, stuck_after=3)
+    _run_flags(state, [True, False, False, True] * 5)  # overflows, never stuck
+    assert calls == []
+    with pytest.warns(jaxmp.TrainingStuckWarning):
+        _run_flags(state, [False] * 6)
+    assert len(calls) == 1  # only the step that got stuck

@@ -173,15 +173,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True,
                         help="float16 with jaxmp's per-operation precision; --no-autocast casts "
                              "everything to float16 (the naive port, which does not train)")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--learning-rate", type=float, default=2e-3)
-    parser.add_argument("--log-every", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=300, help="training steps per precision")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per batch")
+    parser.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
+    parser.add_argument("--width", type=int, default=128, help="model width")
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
+    parser.add_argument("--learning-rate", type=float, default=2e-3,
+                        help="peak learning rate of the warmup-cosine schedule")
+    parser.add_argument("--log-every", type=int, default=100, help="steps between two progress lines")
+    parser.add_argument("--seed", type=int, default=0, help="initialisation and data order")
     return parser.parse_args(argv)
 
 

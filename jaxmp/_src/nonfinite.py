@@ -195,8 +195,14 @@ def _summary(frame) -> str:
     return f"{os.path.basename(frame.file_name)}:{frame.start_line} ({frame.function_name})"
 
 
-def _locate(eqn) -> tuple[str, str]:
+def _locate(eqn, enclosing: Sequence[Any] = ()) -> tuple[str, str]:
+    """``(where, called_from)`` for ``eqn``; inside a cached nested ``jit`` (``jnp.var``...)
+    JAX may keep no user frame, and the innermost enclosing equation's location is used."""
     frames = _frames(eqn)
+    for outer in reversed(enclosing):
+        if frames:
+            break
+        frames = _frames(outer)
     if not frames:
         return "unknown", ""
     where = frames[0]
@@ -234,6 +240,7 @@ class _Shadow(interpret.Interpreter):
         self.site_of: dict[tuple[int, int], int] = {}
         self.records: dict[tuple[int, str], dict] = {}
         self.transposing = 0
+        self.enclosing: list[Any] = []  # the higher-order equations being evaluated
 
     # Values are pairs.
     def literal(self, lit):
@@ -252,10 +259,12 @@ class _Shadow(interpret.Interpreter):
     def eval_eqn(self, eqn, invals):
         transpose = "transpose" in str(eqn.source_info.name_stack)
         self.transposing += transpose
+        self.enclosing.append(eqn)
         try:
             return super().eval_eqn(eqn, invals)
         finally:
             self.transposing -= transpose
+            self.enclosing.pop()
 
     def first_order(self, eqn, invals):
         halves = [h for h, _ in invals]
@@ -297,7 +306,7 @@ class _Shadow(interpret.Interpreter):
     def _site(self, eqn, index: int, out) -> int:
         key = (id(eqn), index)
         if key not in self.site_of:
-            where, called_from = _locate(eqn)
+            where, called_from = _locate(eqn, self.enclosing[:-1])
             self.site_of[key] = len(self.sites)
             self.sites.append(_Site(len(self.sites), eqn.primitive.name, where, called_from,
                                     np.dtype(out.dtype).name, int(np.prod(out.shape)),
@@ -395,6 +404,10 @@ def _hint(site: _Site, phase: str, kind: str, stats: dict, scale: float, half: n
                     "steps), or float32 for this code")
         return f"values below {half.name}'s range flush to zero: {float32}"
     if phase == "forward":
+        if prim == "convert_element_type":
+            return (f"a value computed in float32 (a sum, a variance, a mean...) does not fit "
+                    f"in {half.name} ({half_max:g}) when cast back: keep it in float32 "
+                    "(autocast=True, or jaxmp.force_full_precision around the code)")
         if prim in _SUMS:
             return f"a sum or product that outgrows {half.name} ({half_max:g}): {float32}"
         if prim in _EXPS:
