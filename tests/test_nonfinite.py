@@ -259,3 +259,16 @@ def test_bad_options_raise_clear_errors():
         jaxmp.find_nonfinite(exp_loss, argnums=3)(jnp.ones(4), jnp.ones((2, 4)))
     with pytest.raises(TypeError, match="jaxmp.ScalerState"):
         jaxmp.find_nonfinite(exp_loss)(jnp.ones(4), jnp.ones((2, 4)), scaler_state=1.0)
+
+
+def test_under_autocast_the_line_is_still_the_users():
+    def loss_fn(w, x):
+        h = x @ w  # a float16 matrix product under autocast: 128000 > 65504
+        return jnp.mean(h)
+
+    report = jaxmp.find_nonfinite(loss_fn, autocast=True)(
+        jnp.full((64, 4), 100.0), jnp.full((2, 64), 20.0), scaler_state=jaxmp.static_scaler(1.0))
+    first = _overflows(report)[0]
+    assert (first.phase, first.primitive) == ("forward", "dot_general")
+    assert first.where.startswith(_line_of(loss_fn, "x @ w"))
+    assert "autocast=True" not in first.hint  # already on

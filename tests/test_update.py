@@ -304,3 +304,24 @@ def test_master_weight_check_is_quiet_otherwise(case):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jaxmp.mp_value_and_grad(_square_loss, **options)(w, x, scaler_state=scaler)
+
+
+def test_step_with_messages_still_lowers_for_a_gpu_on_this_machine():
+    # The stuck and overflow messages are host callbacks, which cannot be lowered for another
+    # platform; jaxmp.matmul_flops (lowered for "cuda") retraces the step without them.
+    opt = optax.adam(1e-2)
+
+    @jax.jit
+    def step(w, s, scaler, x):
+        _, g, scaler, finite = jaxmp.mp_value_and_grad(_square_loss)(w, x, scaler_state=scaler)
+        w, s = jaxmp.optimizer_update(w, opt, s, g, finite)
+        return w, s, scaler
+
+    w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+    args = (w, opt.init(w), jaxmp.init_scaler(), x)
+    step(*args)  # traced and cached with the callbacks
+    assert "callback" in str(jax.make_jaxpr(step)(*args))
+    flops = jaxmp.matmul_flops(step, *args, platform="cuda")
+    assert set(flops) == {"float16"}
+    step(*args)  # and training still has them
+    assert "callback" in str(jax.make_jaxpr(step)(*args))

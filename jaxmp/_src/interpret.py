@@ -63,15 +63,23 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import source_info_util
 from jax.extend import core as jex_core
 
 Handler = Callable[["Interpreter", Any, list], list]
 
 
 def bind(eqn, invals: Sequence[Any], params: Mapping[str, Any] | None = None) -> list[Any]:
-    """Binds the primitive of ``eqn`` on ``invals`` (arrays); always returns a list."""
+    """Binds the primitive of ``eqn`` on ``invals`` (arrays); always returns a list.
+
+    The new equation keeps the source location of ``eqn`` (the user's line),
+    not this function's, so that a program rewritten by an interpreter still
+    points at the user's code.
+    """
     params = eqn.params if params is None else params
-    out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+    with source_info_util.user_context(eqn.source_info.traceback,
+                                       name_stack=source_info_util.current_name_stack()):
+        out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
     return list(out) if eqn.primitive.multiple_results else [out]
 
 

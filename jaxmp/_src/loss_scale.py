@@ -24,6 +24,7 @@ healthy step never calls back to the host.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import warnings
@@ -33,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax._src import config as jax_config
 
 from jaxmp._src import casting
 
@@ -352,6 +354,31 @@ def check_finite_flag(finite: Any) -> jax.Array:
     return finite
 
 
+# A JAX configuration state, so that it is part of the trace cache key: a step
+# traced with callbacks is traced again, without, inside ``no_host_callbacks``.
+_HOST_CALLBACKS = jax_config.bool_state(
+    "jaxmp_host_callbacks", True,
+    "Whether jaxmp's steps may call back to the host (stuck and overflow messages).",
+    include_in_trace_context=True, include_in_jit_key=True)
+
+
+@contextlib.contextmanager
+def no_host_callbacks():
+    """Within this block, steps traced by jaxmp contain no host callback.
+
+    For programs lowered for another platform than the machine's (the GPU
+    FLOP count of :func:`jaxmp.matmul_flops` on a CPU-only machine): a host
+    callback cannot be lowered there. Training steps never need it.
+    """
+    with _HOST_CALLBACKS(False):
+        yield
+
+
+def host_callbacks_enabled() -> bool:
+    """False inside :func:`no_host_callbacks`: skip the stuck and overflow messages."""
+    return bool(_HOST_CALLBACKS.value)
+
+
 def stuck_message(state: ScalerState, streak: int) -> str:
     """The text a user reads when training is stuck (see :func:`adjust`).
 
@@ -442,7 +469,7 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
         shrunk = jnp.maximum(state.scale * state.backoff_factor, state.min_scale)
         new_scale = jnp.where(grow, grown, jnp.where(back_off, shrunk, state.scale))
     new_scale = new_scale.astype(jnp.float32)
-    if state.on_stuck != "off":
+    if state.on_stuck != "off" and host_callbacks_enabled():
         # Stuck now, and not yet after the previous step (whose result is
         # ``state``): true on exactly one step of a run of overflows.
         floor = jnp.asarray(state.min_scale, jnp.float32)

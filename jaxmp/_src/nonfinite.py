@@ -389,11 +389,16 @@ def _stats(in_h: list, in_s: list, h: np.ndarray, s: np.ndarray) -> tuple:
             float(nonzero_s.min()) if nonzero_s.size else 0.0, in_max)
 
 
-def _hint(site: _Site, phase: str, kind: str, stats: dict, scale: float, half: np.dtype) -> str:
+def _hint(site: _Site, phase: str, kind: str, stats: dict, scale: float, half: np.dtype,
+          autocast: bool) -> str:
     half_max = float(jnp.finfo(half).max)
     prim = site.primitive
-    float32 = ("run this code in float32: mp_value_and_grad(..., autocast=True), "
-               "jaxmp.force_full_precision around it, or compute_dtype=jnp.bfloat16")
+    if autocast:
+        float32 = ("run this code in float32 (jaxmp.force_full_precision around it, or "
+                   "autocast's full_precision rules), or compute_dtype=jnp.bfloat16")
+    else:
+        float32 = ("run this code in float32: mp_value_and_grad(..., autocast=True), "
+                   "jaxmp.force_full_precision around it, or compute_dtype=jnp.bfloat16")
     if kind == "float32 too":
         return ("float32 overflows here as well (e.g. log(0), x/0, a diverging model): "
                 "not a precision problem; fix the computation or the inputs")
@@ -406,8 +411,7 @@ def _hint(site: _Site, phase: str, kind: str, stats: dict, scale: float, half: n
     if phase == "forward":
         if prim == "convert_element_type":
             return (f"a value computed in float32 (a sum, a variance, a mean...) does not fit "
-                    f"in {half.name} ({half_max:g}) when cast back: keep it in float32 "
-                    "(autocast=True, or jaxmp.force_full_precision around the code)")
+                    f"in {half.name} ({half_max:g}) when cast back: {float32}")
         if prim in _SUMS:
             return f"a sum or product that outgrows {half.name} ({half_max:g}): {float32}"
         if prim in _EXPS:
@@ -460,7 +464,7 @@ def _run(closed, flat_args) -> tuple[_Shadow, list]:
 
 
 def _collect(shadow: _Shadow, phase_of: Callable, scale: float, half: np.dtype,
-             skip: set) -> list[Finding]:
+             skip: set, autocast: bool) -> list[Finding]:
     findings = []
     for (site_id, kind), stats in sorted(shadow.records.items()):
         site = shadow.sites[site_id]
@@ -471,7 +475,8 @@ def _collect(shadow: _Shadow, phase_of: Callable, scale: float, half: np.dtype,
         findings.append(Finding(
             phase, kind, site.primitive, site.where, site.called_from, site.dtype,
             stats["count"], site.size, stats["half_max"], stats["float32_max"],
-            stats["float32_min"], site.transpose, _hint(site, phase, kind, stats, scale, half)))
+            stats["float32_min"], site.transpose,
+            _hint(site, phase, kind, stats, scale, half, autocast)))
     kept, per = [], {}
     for f in findings:
         per[(f.phase, f.kind)] = per.get((f.phase, f.kind), 0) + 1
@@ -562,11 +567,11 @@ def find_nonfinite(
 
         forward_jaxpr = jax.make_jaxpr(scaled_loss)(diff)
         fwd, (loss,) = _run(forward_jaxpr, flat)
-        forward = _collect(fwd, lambda site: "forward", scale, half, set())
+        forward = _collect(fwd, lambda site: "forward", scale, half, set(), autocast)
         skip = {(f.primitive, f.where, f.dtype, f.size, f.kind) for f in forward}
         both_jaxpr = jax.make_jaxpr(jax.value_and_grad(scaled_loss))(diff)
         bwd, _ = _run(both_jaxpr, flat)
-        backward = _collect(bwd, lambda site: "backward", scale, half, skip)
+        backward = _collect(bwd, lambda site: "backward", scale, half, skip, autocast)
         return NonfiniteReport(tuple(forward + backward), half.name, scale,
                                float(loss[0]) / scale, float(loss[1]) / scale)
 

@@ -159,12 +159,13 @@ def optimizer_update(
     # not finite) and one that overflows the parameters' own dtype.
     update_finite = loss_scale.all_finite(new_floats)
     applied = finite & update_finite
-    jax.lax.cond(
-        finite & jnp.logical_not(update_finite),
-        lambda a: jax.debug.callback(_warn_update_not_finite, a),
-        lambda a: None,
-        applied,
-    )
+    if loss_scale.host_callbacks_enabled():
+        jax.lax.cond(
+            finite & jnp.logical_not(update_finite),
+            lambda a: jax.debug.callback(_warn_update_not_finite, a),
+            lambda a: None,
+            applied,
+        )
     params = select_tree(applied, casting.combine(new_floats, rest), params)
     opt_state = select_tree(applied, new_opt_state, opt_state)
     if return_applied:
