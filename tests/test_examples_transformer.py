@@ -91,10 +91,12 @@ def test_command_line(ex, capsys):
         ex.parse_args(["--help"])
     help_text = capsys.readouterr().out
     assert "(default: 300)" in help_text and "--no-autocast" in help_text
-    results = ex.main(["--precision", "float32", "bfloat16", "--steps", "3", "--width", "16",
-                       "--layers", "1", "--heads", "2", "--seq-len", "8", "--batch-size", "2",
-                       "--log-every", "1"])
-    assert [r["label"] for r in results] == ["float32", "bfloat16"]
+    args = ex.parse_args(["--precision", "float32", "bfloat16", "--steps", "2"])
+    assert args.precision == ["float32", "bfloat16"] and args.steps == 2 and args.autocast
+    assert not ex.parse_args(["--no-autocast"]).autocast
+    results = ex.main(["--precision", "bfloat16", "--steps", "2", "--width", "16", "--layers", "1",
+                       "--heads", "2", "--seq-len", "8", "--batch-size", "2", "--log-every", "1"])
+    assert [r["label"] for r in results] == ["bfloat16"]
     out = capsys.readouterr().out
     assert "test loss (bits per character)" in out and "skipped steps" in out
     assert all(np.isfinite(r["test_bits_per_char"]) for r in results)
