@@ -257,6 +257,10 @@ def test_bad_options_raise_clear_errors():
         jaxmp.find_nonfinite(exp_loss, argnums="w")
     with pytest.raises(TypeError, match="refers to argument 3"):
         jaxmp.find_nonfinite(exp_loss, argnums=3)(jnp.ones(4), jnp.ones((2, 4)))
+    with pytest.raises(TypeError, match="floating-point scalar"):
+        jaxmp.find_nonfinite(lambda w: w * 2.0)(jnp.ones(3))
+    with pytest.raises(TypeError, match="pair"):
+        jaxmp.find_nonfinite(lambda w: jnp.sum(w), has_aux=True)(jnp.ones(3))
     with pytest.raises(TypeError, match="jaxmp.ScalerState"):
         jaxmp.find_nonfinite(exp_loss)(jnp.ones(4), jnp.ones((2, 4)), scaler_state=1.0)
 
@@ -272,3 +276,17 @@ def test_under_autocast_the_line_is_still_the_users():
     assert (first.phase, first.primitive) == ("forward", "dot_general")
     assert first.where.startswith(_line_of(loss_fn, "x @ w"))
     assert "autocast=True" not in first.hint  # already on
+
+
+def test_equinox_module_with_static_leaves():
+    eqx = pytest.importorskip("equinox")
+    model = eqx.nn.MLP(4, 2, 8, 1, activation=jnp.exp, key=jax.random.key(0))  # functions as leaves
+    model = eqx.tree_at(lambda m: m.layers[0].bias, model, jnp.full((8,), 12.0))  # exp(12) > 65504
+
+    def loss_fn(model, x):
+        return jnp.mean(jax.vmap(model)(x))
+
+    report = jaxmp.find_nonfinite(loss_fn)(model, jnp.zeros((3, 4)),
+                                           scaler_state=jaxmp.static_scaler(1.0))
+    first = _overflows(report)[0]
+    assert (first.phase, first.primitive) == ("forward", "exp")

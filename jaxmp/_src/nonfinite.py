@@ -166,7 +166,7 @@ class NonfiniteReport(NamedTuple):
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
         lines.append("")
         seen = set()
-        for i, f in enumerate(self.findings, 1):
+        for f in self.findings:
             if f.hint not in seen:
                 seen.add(f.hint)
                 lines.append(f"hint ({f.phase} {f.primitive}, {f.where}): {f.hint}")
@@ -444,8 +444,14 @@ def _scaled_loss_builder(call, input_dtype, args, kwargs, positions, parts, has_
         if input_dtype is not None:
             call_args, call_kwargs = casting.cast_tree((call_args, call_kwargs), input_dtype)
         out = call(*call_args, **call_kwargs)
-        loss = out[0] if has_aux else out
-        loss = jnp.asarray(loss).astype(jnp.float32)
+        if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError("With has_aux=True the loss function must return a pair (loss, aux), "
+                            f"got {type(out).__name__}.")
+        loss = jnp.asarray(out[0] if has_aux else out)
+        if loss.shape != () or not casting.is_float_dtype(loss.dtype):
+            raise TypeError("The loss function must return a floating-point scalar (or (loss, aux) "
+                            f"with has_aux=True), got {loss.dtype}{list(loss.shape)}.")
+        loss = loss.astype(jnp.float32)
         return loss_scale.scale(state, loss)
 
     return scaled_loss
