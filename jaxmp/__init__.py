@@ -2,6 +2,7 @@
 
 from jaxmp._src.accumulate import accumulate_value_and_grad
 from jaxmp._src.autocast import autocast
+from jaxmp._src.autocast import AutocastRules
 from jaxmp._src.casting import cast_function
 from jaxmp._src.casting import cast_to_bfloat16
 from jaxmp._src.casting import cast_to_float16
@@ -24,7 +25,12 @@ from jaxmp._src.loss_scale import scaler_for
 from jaxmp._src.loss_scale import ScalerState
 from jaxmp._src.loss_scale import scaler_metrics
 from jaxmp._src.loss_scale import static_scaler
+from jaxmp._src.loss_scale import TrainingStuckError
+from jaxmp._src.loss_scale import TrainingStuckWarning
 from jaxmp._src.loss_scale import unscale
+from jaxmp._src.nonfinite import find_nonfinite
+from jaxmp._src.nonfinite import Finding
+from jaxmp._src.nonfinite import NonfiniteReport
 from jaxmp._src.policy import get_policy
 from jaxmp._src.policy import Policy
 from jaxmp._src.update import optimizer_update
@@ -37,12 +43,15 @@ __all__ = (
     "adjust",
     "all_finite",
     "autocast",
+    "AutocastRules",
     "cast_function",
     "cast_to_bfloat16",
     "cast_to_float16",
     "cast_to_float32",
     "cast_to_half_precision",
     "cast_tree",
+    "find_nonfinite",
+    "Finding",
     "force_full_precision",
     "get_policy",
     "half_matmul_flop_share",
@@ -52,6 +61,7 @@ __all__ = (
     "mp_grad",
     "mp_value_and_grad",
     "noop_scaler",
+    "NonfiniteReport",
     "optimizer_update",
     "Policy",
     "scale",
@@ -61,5 +71,7 @@ __all__ = (
     "scaler_metrics",
     "select_tree",
     "static_scaler",
+    "TrainingStuckError",
+    "TrainingStuckWarning",
     "unscale",
 )

@@ -454,3 +454,27 @@ def test_desktop_vit_training_step_memory_and_matmul_share():
     full = jaxmp.saved_activation_bytes(loss_fn, params, images, labels)
     auto = jaxmp.saved_activation_bytes(jaxmp.autocast(loss_fn, F16), params, images, labels)
     assert full / auto >= 1.8
+
+
+# --- The rules value -----------------------------------------------------------------------
+
+
+def test_rules_value_prints_short_and_validates():
+    import inspect
+    assert repr(jaxmp.AutocastRules()) == "AutocastRules()"
+    rules = jaxmp.AutocastRules(full_precision=jaxmp.autocast.FULL_PRECISION | {"tanh"},
+                                follow=jaxmp.autocast.FOLLOW - {"tanh"})
+    assert repr(rules) == ("AutocastRules(full_precision=FULL_PRECISION | {'tanh'}, "
+                           "follow=FOLLOW - {'tanh'})")
+    signature = str(inspect.signature(jaxmp.autocast))  # what help() prints first
+    assert "reduce_sum" not in signature and len(signature) < 400
+    with pytest.raises(TypeError, match="primitive names"):
+        jaxmp.AutocastRules(follow=["add", 1])
+    with pytest.raises(TypeError, match="AutocastRules"):
+        jaxmp.autocast(jnp.sin, F16, rules={"full_precision": {"exp"}})
+    # A rules value and a keyword override give the same program.
+    w, x = _activations(1.0)
+    f = lambda w, x: jnp.sum(jnp.tanh(x @ w))
+    by_rules = jaxmp.autocast(f, F16, rules=rules)
+    assert _dtypes_of(by_rules, w, x, prim="tanh") == [("tanh", "float32")]
+    _assert_close(by_rules(w, x), f(w, x), rtol=3e-3)

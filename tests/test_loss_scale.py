@@ -1,5 +1,7 @@
 """Tests of jaxmp._src.loss_scale."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -246,3 +248,114 @@ def test_scaler_metrics_are_scalars_in_and_out_of_jit():
         "loss_scale": 2.0, "skipped_steps": 1, "steps_since_overflow": 0, "overflow_streak": 1}
     jitted = jax.jit(jaxmp.scaler_metrics)(state)
     assert all(v.shape == () for v in jitted.values())
+
+
+# Stuck training: said once, from inside the step, never on healthy steps. ----
+
+def _run_flags(state, flags, jit=True):
+    step = jax.jit(jaxmp.adjust) if jit else jaxmp.adjust
+    for f in flags:
+        state = step(state, jnp.asarray(f))
+    return jax.block_until_ready(state)
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_stuck_training_warns_once_with_what_to_do(jit):
+    # From 2**4, the scale reaches min_scale=1 after 4 overflows; with
+    # stuck_after=6 the 6th consecutive overflow is the stuck one.
+    state = jaxmp.init_scaler(initial_scale=16.0, stuck_after=6)
+    with pytest.warns(jaxmp.TrainingStuckWarning) as record:
+        state = _run_flags(state, [False] * 30, jit)
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "The last 6 steps" in message and "minimum loss scale (1)" in message
+    for advice in ("find_nonfinite", "autocast=True", "bfloat16"):
+        assert advice in message
+    assert float(state.scale) == 1.0 and int(state.overflow_streak) == 30
+
+
+def test_stuck_waits_for_the_minimum_scale():
+    # 5 overflows from 2**10 leave the scale at 32: not stuck yet, even past stuck_after.
+    state = jaxmp.init_scaler(initial_scale=2.0**10, stuck_after=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxmp.TrainingStuckWarning)
+        state = _run_flags(state, [False] * 5)
+    assert float(state.scale) == 32.0
+    with pytest.warns(jaxmp.TrainingStuckWarning, match="The last 10 steps") as record:
+        _run_flags(state, [False] * 8)
+    assert len(record) == 1
+
+
+def test_stuck_again_after_a_recovery_is_said_again():
+    state = jaxmp.static_scaler(4.0, stuck_after=3)
+    with pytest.warns(jaxmp.TrainingStuckWarning) as record:
+        state = _run_flags(state, [False] * 4 + [True] + [False] * 5)
+    assert len(record) == 2
+
+
+def test_healthy_and_briefly_overflowing_runs_are_silent():
+    flags = ([True] * 5 + [False] * 2) * 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for make in ALL_STATES.values():
+            _run_flags(make(), flags)
+        # A long streak above min_scale is not stuck either.
+        _run_flags(jaxmp.init_scaler(initial_scale=2.0**20, min_scale=1.0), [False] * 12)
+
+
+def test_stuck_raise_mode_raises():
+    state = jaxmp.noop_scaler(on_stuck="raise", stuck_after=3)
+    state = _run_flags(state, [False] * 2)  # not yet
+    with pytest.raises(Exception, match="training is stuck"):
+        _run_flags(state, [False])
+
+
+def test_stuck_off_is_silent_and_adds_no_callback():
+    state = jaxmp.init_scaler(initial_scale=2.0, on_stuck="off", stuck_after=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _run_flags(state, [False] * 5)
+    jaxpr = str(jax.make_jaxpr(jaxmp.adjust)(state, jnp.asarray(False)))
+    assert "callback" not in jaxpr
+    assert "callback" in str(jax.make_jaxpr(jaxmp.adjust)(jaxmp.init_scaler(), jnp.asarray(False)))
+
+
+def test_stuck_inside_scan_warns_once():
+    state = jaxmp.init_scaler(initial_scale=8.0, stuck_after=4)
+    with pytest.warns(jaxmp.TrainingStuckWarning) as record:
+        final, _ = jax.lax.scan(lambda s, f: (jaxmp.adjust(s, f), None), state,
+                                jnp.zeros(20, jnp.bool_))
+        jax.block_until_ready(final)
+    assert len(record) == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"on_stuck": "loud"}, "on_stuck must be one of"),
+    ({"stuck_after": 0}, "stuck_after must be >= 1"),
+    ({"stuck_after": 1.5}, "stuck_after must be a whole number"),
+])
+def test_invalid_stuck_settings_raise(kwargs, message):
+    for make in (jaxmp.init_scaler, jaxmp.noop_scaler, lambda **k: jaxmp.static_scaler(2.0, **k)):
+        with pytest.raises(ValueError, match=message):
+            make(**kwargs)
+
+
+def test_stuck_settings_survive_round_trips():
+    state = jaxmp.init_scaler(on_stuck="raise", stuck_after=7)
+    flat, treedef = jax.tree_util.tree_flatten(state)
+    for s in (jax.tree_util.tree_unflatten(treedef, flat), jax.jit(lambda s: s)(state),
+              serialization.from_bytes(state, serialization.to_bytes(state))):
+        assert (s.on_stuck, s.stuck_after) == ("raise", 7)
+
+
+def test_healthy_steps_never_call_back_to_the_host(monkeypatch):
+    from jaxmp._src import loss_scale  # pylint: disable=g-import-not-at-top
+    calls = []
+    original = loss_scale._report_stuck  # pylint: disable=protected-access
+    monkeypatch.setattr(loss_scale, "_report_stuck", lambda *a: (calls.append(1), original(*a)))
+    state = jaxmp.init_scaler(initial_scale=2.0, stuck_after=3)
+    _run_flags(state, [True, False, False, True] * 5)  # overflows, never stuck
+    assert calls == []
+    with pytest.warns(jaxmp.TrainingStuckWarning):
+        _run_flags(state, [False] * 6)
+    assert len(calls) == 1  # only the step that got stuck

@@ -1,5 +1,8 @@
 """Tests of jaxmp._src.update: optimizer steps that lose nothing when skipped."""
 
+import functools
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,3 +134,194 @@ def test_end_to_end_with_mp_value_and_grad_never_lets_nan_in():
 def test_select_tree_rejects_type_change():
     with pytest.raises(ValueError, match="changed a leaf's type"):
         jaxmp.select_tree(jnp.asarray(True), {"a": jnp.ones(2)}, {"a": jnp.ones(2, jnp.bfloat16)})
+
+
+# The optimizer's own overflow is skipped too. -----------------------------------
+
+def test_non_finite_update_on_finite_grads_is_skipped_and_said():
+    # float16 parameters: 60000 + 10000 overflows, although the gradients are finite.
+    opt = optax.sgd(1.0)
+    params = {"w": jnp.full((3,), 60000.0, jnp.float16), "b": jnp.ones(2)}
+    state = opt.init(params)
+    grads = {"w": jnp.full((3,), -1e4, jnp.float16), "b": jnp.ones(2)}
+    step = jax.jit(functools.partial(jaxmp.optimizer_update, optimizer=opt, return_applied=True))
+    with pytest.warns(RuntimeWarning, match="optimizer's update .* was not"):
+        new_params, new_state, applied = jax.block_until_ready(
+            step(params, opt_state=state, grads=grads, finite=jnp.asarray(True)))
+    assert not bool(applied)
+    assert _bits(new_params) == _bits(params) and _bits(new_state) == _bits(state)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_infinite_update_leaves_params_and_state_bit_identical(name):
+    # An update that is inf although the gradients are finite: a huge learning-rate scale.
+    inner = OPTIMIZERS[name]()
+    opt = optax.chain(inner, optax.scale(3e38), optax.scale(3e38))
+    params = _params()
+    # Warm the inner optimizer so that its moments and counts are non-zero.
+    params, inner_state = jaxmp.optimizer_update(params, inner, inner.init(params), _grads(),
+                                                 jnp.asarray(True))
+    state = (inner_state,) + tuple(opt.init(params)[1:])
+    with pytest.warns(RuntimeWarning, match="step was skipped"):
+        new_params, new_state, applied = jaxmp.optimizer_update(
+            params, opt, state, _grads(), jnp.asarray(True), return_applied=True)
+    assert not bool(applied)
+    assert _bits(new_params) == _bits(params) and _bits(new_state) == _bits(state)
+
+
+def test_applied_flag_and_two_tuple_by_default():
+    opt = optax.adam(1e-2)
+    params = _params()
+    out = jaxmp.optimizer_update(params, opt, opt.init(params), _grads(), jnp.asarray(True))
+    assert len(out) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # healthy and ordinary skipped steps say nothing
+        for finite, bad in ((True, False), (False, True)):
+            *_, applied = jax.jit(jaxmp.optimizer_update, static_argnums=1,
+                                  static_argnames="return_applied")(
+                params, opt, opt.init(params), _grads(bad), jnp.asarray(finite),
+                return_applied=True)
+            assert bool(applied) == finite
+    with pytest.raises(TypeError, match="return_applied must be True or False"):
+        jaxmp.optimizer_update(params, opt, opt.init(params), _grads(), jnp.asarray(True),
+                               return_applied="yes")
+
+
+# Equinox modules and optimizers that take extra arguments. ------------------------
+
+def test_equinox_module_with_non_array_leaves_matches_apply_updates():
+    eqx = pytest.importorskip("equinox")
+
+    class Model(eqx.Module):
+        linear: eqx.nn.Linear
+        activation: callable
+        temperature: float
+        steps: jax.Array
+
+        def __call__(self, x):
+            return self.activation(self.linear(x) / self.temperature)
+
+    model = Model(eqx.nn.Linear(3, 2, key=jax.random.key(0)), jax.nn.gelu, 2.0,
+                  jnp.zeros((), jnp.int32))
+
+    def loss_fn(model, x):
+        return jnp.mean(jax.vmap(model)(x) ** 2)
+
+    x = jax.random.normal(jax.random.key(1), (8, 3))
+    opt = optax.adam(1e-2)
+    opt_state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    _, grads, _, finite = jaxmp.mp_value_and_grad(loss_fn)(
+        model, x, scaler_state=jaxmp.init_scaler(initial_scale=1024.0))
+    new, new_state = jaxmp.optimizer_update(model, opt, opt_state, grads, finite)
+    assert new.activation is jax.nn.gelu and new.temperature == 2.0
+    assert _bits(new.steps) == _bits(model.steps)
+    with jax.numpy_dtype_promotion("standard"):
+        updates, ref_state = opt.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+    ref = eqx.apply_updates(model, updates)
+    assert _bits(eqx.filter(new, eqx.is_array)) == _bits(eqx.filter(ref, eqx.is_array))
+    assert _bits(new_state) == _bits(ref_state)
+    same, _ = jaxmp.optimizer_update(model, opt, opt_state, grads, jnp.asarray(False))
+    assert _bits(eqx.filter(same, eqx.is_array)) == _bits(eqx.filter(model, eqx.is_array))
+
+
+def test_extra_args_reach_reduce_on_plateau():
+    opt = optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau(factor=0.5, patience=1))
+    params = {"w": jnp.ones(2)}
+    state = opt.init(params)
+    grads = {"w": jnp.ones(2)}
+    for loss in (1.0, 2.0, 3.0, 4.0):  # never improving: the scale halves
+        params, state = jaxmp.optimizer_update(params, opt, state, grads, jnp.asarray(True),
+                                               value=jnp.asarray(loss))
+    ref_params, ref_state = {"w": jnp.ones(2)}, opt.init({"w": jnp.ones(2)})
+    with jax.numpy_dtype_promotion("standard"):
+        for loss in (1.0, 2.0, 3.0, 4.0):
+            u, ref_state = opt.update(grads, ref_state, ref_params, value=jnp.asarray(loss))
+            ref_params = optax.apply_updates(ref_params, u)
+    assert float(state[1].scale) < 1.0
+    assert _bits(params) == _bits(ref_params) and _bits(state) == _bits(ref_state)
+
+
+def test_extra_args_reach_lbfgs_and_value_fn_gets_whole_params():
+    target = jnp.array([1.0, -2.0])
+
+    def value_fn(params):
+        assert params["name"] == "quadratic"  # the non-array leaf is put back
+        return jnp.sum((params["w"] - target) ** 2)
+
+    opt = optax.lbfgs()
+    params = {"w": jnp.zeros(2), "name": "quadratic"}
+    state = opt.init({"w": params["w"], "name": None})
+    for _ in range(3):
+        value, g = jax.value_and_grad(lambda w: value_fn({"w": w, "name": "quadratic"}))(params["w"])
+        grads = {"w": g, "name": None}
+        params, state = jaxmp.optimizer_update(params, opt, state, grads, jnp.asarray(True),
+                                               value=value, grad=grads, value_fn=value_fn)
+    np.testing.assert_allclose(params["w"], target, atol=1e-4)
+    assert params["name"] == "quadratic"
+
+
+def test_extra_args_are_ignored_by_plain_optimizers():
+    opt = optax.sgd(0.5)
+    params = {"w": jnp.ones(2)}
+    new, _ = jaxmp.optimizer_update(params, opt, opt.init(params), {"w": jnp.ones(2)},
+                                    jnp.asarray(True), value=jnp.asarray(3.0))
+    assert new["w"].tolist() == [0.5, 0.5]
+
+
+# Master weights: a trace-time warning for half-precision parameters under float16 scaling. --
+
+def _square_loss(w, x):
+    return jnp.mean((x @ w) ** 2)
+
+
+def test_half_precision_params_under_float16_scaling_warn_at_trace_time():
+    w, x = jnp.ones((3, 2), jnp.float16), jnp.ones((4, 3))
+    traced = []
+
+    @jax.jit
+    def step(w, x, s):
+        traced.append(1)
+        return jaxmp.mp_value_and_grad(_square_loss)(w, x, scaler_state=s)
+
+    with pytest.warns(UserWarning, match="master weights in float32") as record:
+        step(w, x, jaxmp.init_scaler())
+    assert "float16" in str(record[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(w, x, jaxmp.init_scaler())  # cached: no new trace, no new warning
+    assert len(traced) == 1
+
+
+@pytest.mark.parametrize("case", ["float32_params", "pure_bfloat16", "no_mixed_precision"])
+def test_master_weight_check_is_quiet_otherwise(case):
+    x = jnp.ones((4, 3))
+    w, options, scaler = jnp.ones((3, 2)), {}, jaxmp.init_scaler()
+    if case == "pure_bfloat16":
+        w, options, scaler = w.astype(jnp.bfloat16), {"compute_dtype": jnp.bfloat16}, \
+            jaxmp.noop_scaler()
+    elif case == "no_mixed_precision":
+        w, options = w.astype(jnp.float16), {"use_mixed_precision": False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jaxmp.mp_value_and_grad(_square_loss, **options)(w, x, scaler_state=scaler)
+
+
+def test_step_with_messages_still_lowers_for_a_gpu_on_this_machine():
+    # The stuck and overflow messages are host callbacks, which cannot be lowered for another
+    # platform; jaxmp.matmul_flops (lowered for "cuda") retraces the step without them.
+    opt = optax.adam(1e-2)
+
+    @jax.jit
+    def step(w, s, scaler, x):
+        _, g, scaler, finite = jaxmp.mp_value_and_grad(_square_loss)(w, x, scaler_state=scaler)
+        w, s = jaxmp.optimizer_update(w, opt, s, g, finite)
+        return w, s, scaler
+
+    w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+    args = (w, opt.init(w), jaxmp.init_scaler(), x)
+    step(*args)  # traced and cached with the callbacks
+    assert "callback" in str(jax.make_jaxpr(step)(*args))
+    flops = jaxmp.matmul_flops(step, *args, platform="cuda")
+    assert set(flops) == {"float16"}
+    step(*args)  # and training still has them
+    assert "callback" in str(jax.make_jaxpr(step)(*args))

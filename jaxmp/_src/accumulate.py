@@ -225,7 +225,7 @@ def accumulate_value_and_grad(
                 "There is no batch argument to split into micro-batches: pass the batch "
                 "as a positional argument not in argnums, or set batch_argnums."
             )
-        diff, rebuild, devices = step.differentiable(args)
+        diff, rebuild, devices = step.differentiable(args, state)
         batch = _Batch(args, batch_positions, k)
 
         def body(acc, micro_leaves):

@@ -30,21 +30,25 @@ the outputs of ``fn``, which keep the dtypes ``fn`` gives them.
 
 Integer, boolean and PRNG-key values are never touched. Nested ``jit``,
 ``scan``, ``while_loop``, ``cond``, ``checkpoint``, ``custom_jvp`` and
-``custom_vjp`` are handled inside.
+``custom_vjp`` are handled by the shared interpreter (``interpret.py``); this
+module supplies the per-equation rules. Whether a value is kept wide is part
+of its pytree structure (a ``_Wide`` node), so it leaves loop bodies and
+branches as static structure, not through side effects.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend import core as jex_core
 
 from jaxmp._src import casting
+from jaxmp._src import interpret
 
 # Matrix products and convolutions: run in the compute dtype.
 LOW_PRECISION = frozenset({"dot_general", "conv_general_dilated"})
@@ -82,21 +86,99 @@ PASSTHROUGH = frozenset({
     "psum_scatter", "reduce_scatter", "pbroadcast", "pvary", "pcast", "sort",
 })
 
-_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
-_CHECKPOINTS = frozenset({"checkpoint", "remat", "remat2"})
+_RULE_FIELDS = ("low_precision", "full_precision", "follow", "passthrough")
+_DEFAULT_SETS = {"low_precision": LOW_PRECISION, "full_precision": FULL_PRECISION,
+                 "follow": FOLLOW, "passthrough": PASSTHROUGH}
+_SET_NAMES = {"low_precision": "LOW_PRECISION", "full_precision": "FULL_PRECISION",
+              "follow": "FOLLOW", "passthrough": "PASSTHROUGH"}
 
-_F32 = np.dtype(np.float32)
+
+def _describe(field: str, names: frozenset) -> str:
+    """A short expression for a rule set, relative to its default."""
+    default = _DEFAULT_SETS[field]
+    added, removed = sorted(names - default), sorted(default - names)
+    if len(added) + len(removed) > 6:
+        return f"<{len(names)} names>"
+    text = _SET_NAMES[field]
+    if added:
+        text += " | {" + ", ".join(repr(n) for n in added) + "}"
+    if removed:
+        text += " - {" + ", ".join(repr(n) for n in removed) + "}"
+    return text
 
 
-def _is_float_dtype(dtype: Any) -> bool:
-    try:
-        return jnp.issubdtype(dtype, jnp.floating)
-    except TypeError:  # extended dtypes (typed PRNG keys)
-        return False
+@dataclasses.dataclass(frozen=True)
+class AutocastRules:
+    """Which primitives :func:`jaxmp.autocast` runs in which precision.
+
+    Each field is a set of primitive names (``jax.make_jaxpr`` shows them);
+    the sets are checked in this order: ``low_precision`` (run in the compute
+    dtype), ``full_precision`` (run in float32), ``follow`` (run in the
+    narrowest dtype of their operands), ``passthrough`` (each operand keeps
+    its dtype). A primitive in none of them runs as written. The defaults are
+    ``jaxmp.autocast.LOW_PRECISION``, ``FULL_PRECISION``, ``FOLLOW`` and
+    ``PASSTHROUGH``. Its ``repr`` names only what differs from them.
+
+    Examples:
+        >>> import jaxmp
+        >>> jaxmp.AutocastRules()
+        AutocastRules()
+        >>> rules = jaxmp.AutocastRules(full_precision=jaxmp.autocast.FULL_PRECISION | {"tanh"})
+        >>> rules
+        AutocastRules(full_precision=FULL_PRECISION | {'tanh'})
+        >>> "tanh" in rules.full_precision
+        True
+    """
+
+    low_precision: frozenset = LOW_PRECISION
+    full_precision: frozenset = FULL_PRECISION
+    follow: frozenset = FOLLOW
+    passthrough: frozenset = PASSTHROUGH
+
+    def __post_init__(self):
+        for field in _RULE_FIELDS:
+            names = getattr(self, field)
+            if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+                raise TypeError(
+                    f"AutocastRules.{field} must be a collection of primitive names (strings), "
+                    f"e.g. {{'exp', 'log'}}; got {names!r}.")
+            object.__setattr__(self, field, frozenset(names))
+
+    def __repr__(self) -> str:
+        changed = [f"{f}={_describe(f, getattr(self, f))}" for f in _RULE_FIELDS
+                   if getattr(self, f) != _DEFAULT_SETS[f]]
+        return f"AutocastRules({', '.join(changed)})"
+
+
+@jax.tree_util.register_pytree_node_class
+class _Wide:
+    """A floating value *kept* wide: not narrowed by ``follow`` operations.
+
+    The interpreter's values are arrays (not kept) or ``_Wide`` nodes; being
+    a pytree node, the mark travels through loops, branches and custom
+    derivative rules as static structure.
+    """
+
+    __slots__ = ("x",)
+
+    def __init__(self, x):
+        self.x = x
+
+    def tree_flatten(self):
+        return (self.x,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        del aux
+        return cls(*children)
+
+
+def _unwrap(value) -> tuple[Any, bool]:
+    return (value.x, True) if isinstance(value, _Wide) else (value, False)
 
 
 def _is_half(dtype: Any) -> bool:
-    return _is_float_dtype(dtype) and np.dtype(dtype).itemsize < 4
+    return casting.is_float_dtype(dtype) and np.dtype(dtype).itemsize < 4
 
 
 def _cast(x: Any, dtype: Any) -> Any:
@@ -105,329 +187,125 @@ def _cast(x: Any, dtype: Any) -> Any:
     return lax.convert_element_type(x, dtype)
 
 
-def _wide(dtype: Any) -> np.dtype:
-    """``dtype`` raised to at least float32 (float64 stays float64)."""
-    dtype = np.dtype(dtype)
-    return dtype if dtype.itemsize >= 4 else _F32
-
-
-class _Rules(NamedTuple):
-    """The compute dtype and the rule sets of one ``autocast`` call."""
-
-    compute_dtype: np.dtype
-    low: frozenset
-    full: frozenset
-    follow: frozenset
-    passthrough: frozenset
-
-
-def _bind(eqn, invals: Sequence[Any], params: dict | None = None) -> list[Any]:
-    """Binds the primitive of ``eqn`` as ``jax.core.eval_jaxpr`` does."""
-    params = eqn.params if params is None else params
-    bind_params = eqn.primitive.get_bind_params(params)
-    if isinstance(bind_params, tuple):  # JAX < 0.7: (subfuns, params)
-        subfuns, bind_params = bind_params
-        out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
-    else:
-        out = eqn.primitive.bind(*invals, **bind_params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def _original_dtypes(values: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
-    return [_cast(x, a.dtype) if _is_float_dtype(a.dtype) else x for x, a in zip(values, avals)]
-
-
-def _eval_jaxpr(jaxpr, consts, args, kept, rules: _Rules):
-    """Evaluates ``jaxpr`` under ``rules``.
-
-    ``kept[i]`` says whether ``args[i]`` must stay in float32 (see the module
-    docstring). Returns the outputs and whether each output is kept.
-    """
-    env: dict[Any, tuple[Any, bool]] = {}
-
-    def read(v):
-        if isinstance(v, jex_core.Literal):
-            return jnp.asarray(v.val, v.aval.dtype), False
-        return env[v]
-
-    for v, c in zip(jaxpr.constvars, consts):
-        env[v] = (c, False)
-    for v, x, k in zip(jaxpr.invars, args, kept):
-        env[v] = (x, k)
-
-    for eqn in jaxpr.eqns:
-        read_in = [read(v) for v in eqn.invars]
-        invals = [x for x, _ in read_in]
-        inkept = [k for _, k in read_in]
-        outs, outkept = _eval_eqn(eqn, invals, inkept, rules)
-        for v, x, k in zip(eqn.outvars, outs, outkept):
-            env[v] = (x, k)
-
-    results = [read(v) for v in jaxpr.outvars]
-    return [x for x, _ in results], [k for _, k in results]
-
-
-def _eval_closed(closed, args, kept, rules):
-    return _eval_jaxpr(closed.jaxpr, closed.consts, args, kept, rules)
-
-
-def _eval_eqn(eqn, invals, inkept, rules: _Rules):
-    name = eqn.primitive.name
-    in_avals = [v.aval for v in eqn.invars]
-    out_avals = [v.aval for v in eqn.outvars]
-    floats = [i for i, a in enumerate(in_avals) if _is_float_dtype(getattr(a, "dtype", None))]
-
-    if name in _CALLS and "jaxpr" in eqn.params:
-        closed = eqn.params["jaxpr"]
-        if isinstance(closed, jex_core.ClosedJaxpr):
-            return _eval_closed(closed, invals, inkept, rules)
-    if name in ("closed_call", "core_call") and "call_jaxpr" in eqn.params:
-        return _eval_closed(eqn.params["call_jaxpr"], invals, inkept, rules)
-    if name in _CHECKPOINTS:
-        return _eval_checkpoint(eqn, invals, inkept, rules)
-    if name == "scan":
-        return _eval_scan(eqn, invals, inkept, rules)
-    if name == "while":
-        return _eval_while(eqn, invals, inkept, rules)
-    if name == "cond":
-        return _eval_cond(eqn, invals, inkept, rules)
-    if name == "custom_jvp_call":
-        return _eval_custom_jvp(eqn, invals, inkept, rules)
-    if name == "custom_vjp_call":
-        return _eval_custom_vjp(eqn, invals, inkept, rules)
-
-    if not floats:
-        # Integers, booleans, keys: exactly as written.
-        return _bind(eqn, invals), [False] * len(out_avals)
-
-    if name == "convert_element_type":
-        (x,), (k,) = invals, inkept
-        new = eqn.params["new_dtype"]
-        if in_avals[0].dtype == new:
-            # A weak-type or sharding adjustment: the value keeps its precision.
-            return [x], [k]
-        if not _is_float_dtype(new):
-            return _bind(eqn, [x]), [False]
-        # An explicit cast in ``fn``: respected; a cast up to float32 is kept there.
-        return _bind(eqn, [x]), [np.dtype(new).itemsize >= 4]
-
-    if name in rules.low:
-        cast = list(invals)
-        for i in floats:
-            cast[i] = _cast(cast[i], rules.compute_dtype)
-        params = dict(eqn.params)
-        pref = params.get("preferred_element_type")
-        if pref is not None and _is_float_dtype(pref):
-            params["preferred_element_type"] = rules.compute_dtype
-        return _bind(eqn, cast, params), [False] * len(out_avals)
-
-    if name in rules.full:
-        cast = list(invals)
-        for i in floats:
-            cast[i] = _cast(cast[i], _wide(in_avals[i].dtype))
-        outs = _bind(eqn, cast)
-        return outs, [_is_float_dtype(o.dtype) for o in outs]
-
-    if name in rules.follow:
-        dtypes = [invals[i].dtype for i in floats]
-        if any(inkept[i] for i in floats):
-            target = max((np.dtype(d) for d in dtypes), key=lambda d: d.itemsize)
-            target = _wide(target)
-            kept = True
-        elif any(d == rules.compute_dtype for d in dtypes):
-            target, kept = rules.compute_dtype, False
-        else:
-            target, kept = min((np.dtype(d) for d in dtypes), key=lambda d: d.itemsize), False
-        cast = list(invals)
-        for i in floats:
-            cast[i] = _cast(cast[i], target)
-        outs = _bind(eqn, cast)
-        return outs, [kept and _is_float_dtype(o.dtype) for o in outs]
-
-    if name in rules.passthrough:
-        outs = _bind(eqn, invals)
-        if len(outs) == len(invals):
-            return outs, list(inkept)
-        return outs, [False] * len(outs)
-
-    # No rule: run exactly as written, in the original dtypes.
-    return _bind(eqn, _original_dtypes(invals, in_avals)), [False] * len(out_avals)
-
-
-def _eval_checkpoint(eqn, invals, inkept, rules):
-    jaxpr = eqn.params["jaxpr"]
-    record = {}
-
-    def body(*xs):
-        outs, kept = _eval_jaxpr(jaxpr, (), xs, inkept, rules)
-        record["kept"] = kept
-        return outs
-
-    outs = jax.checkpoint(
-        body, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy")
-    )(*invals)
-    return list(outs), record["kept"]
-
-
-def _eval_scan(eqn, invals, inkept, rules):
-    p = eqn.params
-    nc, ncarry = p["num_consts"], p["num_carry"]
-    body = p["jaxpr"]
-    carry_avals = [v.aval for v in eqn.invars[nc:nc + ncarry]]
-    consts, init, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
-    consts_kept, xs_kept = inkept[:nc], inkept[nc + ncarry:]
-    # Loop carries keep their dtypes, and are kept there inside the body.
-    init = _original_dtypes(init, carry_avals)
-    carry_kept = [_is_float_dtype(a.dtype) for a in carry_avals]
-    record = {}
-
-    def step(carry, x):
-        outs, kept = _eval_closed(
-            body, [*consts, *carry, *x], [*consts_kept, *carry_kept, *xs_kept], rules
-        )
-        new_carry = _original_dtypes(outs[:ncarry], carry_avals)
-        record["kept"] = kept[ncarry:]
-        return new_carry, outs[ncarry:]
-
-    carry, ys = lax.scan(
-        step, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"],
-        _split_transpose=p.get("_split_transpose", False),
-    )
-    return [*carry, *ys], [*carry_kept, *record["kept"]]
-
-
-def _eval_while(eqn, invals, inkept, rules):
-    p = eqn.params
-    cn, bn = p["cond_nconsts"], p["body_nconsts"]
-    cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
-    ckept, bkept = inkept[:cn], inkept[cn:cn + bn]
-    carry_avals = [v.aval for v in eqn.invars[cn + bn:]]
-    init = _original_dtypes(init, carry_avals)
-    carry_kept = [_is_float_dtype(a.dtype) for a in carry_avals]
-
-    def cond_fun(carry):
-        (pred,), _ = _eval_closed(p["cond_jaxpr"], [*cconsts, *carry], [*ckept, *carry_kept], rules)
-        return pred
-
-    def body_fun(carry):
-        outs, _ = _eval_closed(p["body_jaxpr"], [*bconsts, *carry], [*bkept, *carry_kept], rules)
-        return _original_dtypes(outs, carry_avals)
-
-    outs = lax.while_loop(cond_fun, body_fun, list(init))
-    return list(outs), carry_kept
-
-
-def _eval_cond(eqn, invals, inkept, rules):
-    branches = eqn.params["branches"]
-    index, ops, ops_kept = invals[0], invals[1:], inkept[1:]
-    out_avals = [v.aval for v in eqn.outvars]
-
-    def branch_fn(closed, record):
-        def run(*xs):
-            outs, kept = _eval_closed(closed, xs, ops_kept, rules)
-            record.append(kept)
-            return outs
-        return run
-
-    # All branches must agree on the output dtypes: where they do not, use the
-    # dtype of the original program.
-    records = [[] for _ in branches]
-    shapes = [jax.eval_shape(branch_fn(b, r), *ops) for b, r in zip(branches, records)]
-    dtypes, kept = [], []
-    for i, aval in enumerate(out_avals):
-        ds = {s[i].dtype for s in shapes}
-        dtypes.append(ds.pop() if len(ds) == 1 else aval.dtype)
-        kept.append(any(r[-1][i] for r in records) and _is_float_dtype(dtypes[-1]))
-
-    def final(closed):
-        def run(*xs):
-            outs, _ = _eval_closed(closed, xs, ops_kept, rules)
-            return [_cast(o, d) for o, d in zip(outs, dtypes)]
-        return run
-
-    outs = lax.switch(index, [final(b) for b in branches], *ops)
-    return list(outs), kept
-
-
-def _primal_and_original(eqn, inkept, rules):
-    """For a custom_jvp/custom_vjp call: its body under autocast, and the call as written.
-
-    ``record["kept"]`` holds, once ``primal`` has run, which of its outputs are
-    kept in float32.
-    """
-    record = {}
-
-    def primal(*xs):
-        outs, kept = _eval_closed(eqn.params["call_jaxpr"], xs, inkept, rules)
-        record["kept"] = kept
-        return outs
-
-    def original(*xs):
-        return _bind(eqn, xs)
-
-    return primal, original, record
-
-
-def _eval_custom_jvp(eqn, invals, inkept, rules):
-    """The primal runs under autocast; the derivative is the function's own rule.
-
-    The custom rule is evaluated by binding the original primitive on operands
-    cast back to their original dtypes, and its tangents are cast to the
-    dtypes of the autocast primal outputs.
-    """
-    in_avals = [v.aval for v in eqn.invars]
-    primal, original, record = _primal_and_original(eqn, inkept, rules)
-
-    fun = jax.custom_jvp(primal)
-
-    @fun.defjvp
-    def _(primals, tangents):
-        outs = fun(*primals)
-        orig_primals = _original_dtypes(primals, in_avals)
-        orig_tangents = [
-            _cast(t, a.dtype) if _is_float_dtype(a.dtype) else t
-            for t, a in zip(tangents, in_avals)
-        ]
-        _, out_tangents = jax.jvp(original, tuple(orig_primals), tuple(orig_tangents))
-        out_tangents = [
-            _cast(t, o.dtype) if _is_float_dtype(o.dtype) else t for t, o in zip(out_tangents, outs)
-        ]
-        return outs, out_tangents
-
-    outs = fun(*invals)
-    return list(outs), record["kept"]
-
-
-def _eval_custom_vjp(eqn, invals, inkept, rules):
-    """The primal runs under autocast; the derivative is the function's own rule.
-
-    Under differentiation the original forward rule runs too (in the original
-    dtypes) to produce the residuals its backward rule expects; whatever of it
-    the residuals do not need is removed by dead-code elimination.
-    """
-    in_avals = [v.aval for v in eqn.invars]
-    primal, original, record = _primal_and_original(eqn, inkept, rules)
-
-    fun = jax.custom_vjp(primal)
-
-    in_dtypes = [x.dtype for x in invals]
-
-    def fwd(*xs):
-        outs = primal(*xs)
-        _, vjp_fn = jax.vjp(original, *_original_dtypes(xs, in_avals))
-        return outs, vjp_fn
-
-    def bwd(vjp_fn, cts):
-        cts = [_cast(c, a.dtype) if _is_float_dtype(a.dtype) else c
-               for c, a in zip(cts, [v.aval for v in eqn.outvars])]
-        in_cts = vjp_fn(cts)
-        return tuple(
-            _cast(c, d) if _is_float_dtype(d) else None for c, d in zip(in_cts, in_dtypes)
-        )
-
-    fun.defvjp(fwd, bwd)
-    outs = fun(*invals)
-    return list(outs), record["kept"]
+def _as_original(x: Any, aval: Any) -> Any:
+    return _cast(x, aval.dtype) if casting.is_float_dtype(aval.dtype) else x
+
+
+class _Autocast(interpret.Interpreter):
+    """The interpreter of one ``autocast`` call: its compute dtype and rules."""
+
+    def __init__(self, compute_dtype: np.dtype, rules: AutocastRules):
+        super().__init__()
+        self.compute_dtype = compute_dtype
+        self.rules = rules
+
+    def loop_carry(self, values, avals):
+        # Loop carries keep their dtypes, and are kept there inside the body.
+        out = []
+        for v, a in zip(values, avals):
+            x = _as_original(_unwrap(v)[0], a)
+            out.append(_Wide(x) if casting.is_float_dtype(a.dtype) else x)
+        return out
+
+    def unify_branches(self, branch_shapes, avals):
+        # Where branches disagree on a dtype, use the original program's.
+        targets = []
+        for i, aval in enumerate(avals):
+            outs = [_unwrap(shapes[i]) for shapes in branch_shapes]
+            dtypes = {x.dtype for x, _ in outs}
+            dtype = dtypes.pop() if len(dtypes) == 1 else aval.dtype
+            targets.append((dtype, casting.is_float_dtype(dtype) and any(k for _, k in outs)))
+
+        def fix(outs):
+            fixed = []
+            for v, (dtype, kept) in zip(outs, targets):
+                x = _cast(_unwrap(v)[0], dtype)
+                fixed.append(_Wide(x) if kept else x)
+            return fixed
+
+        return fix
+
+    def to_original(self, value, aval):
+        return _as_original(_unwrap(value)[0], aval)
+
+    def from_original(self, array, like):
+        like_x, kept = _unwrap(like)
+        if not casting.is_float_dtype(like_x.dtype):
+            return None if array is None else array
+        x = _cast(array, like_x.dtype)
+        return _Wide(x) if kept else x
+
+    def first_order(self, eqn, invals):
+        unwrapped = [_unwrap(v) for v in invals]
+        xs = [x for x, _ in unwrapped]
+        outs, kept = self._rule(eqn, xs, [k for _, k in unwrapped])
+        return [_Wide(x) if k else x for x, k in zip(outs, kept)]
+
+    def _rule(self, eqn, invals, inkept):
+        """The outputs of one first-order equation and whether each is kept wide."""
+        name = eqn.primitive.name
+        rules = self.rules
+        in_avals = [v.aval for v in eqn.invars]
+        nout = len(eqn.outvars)
+        floats = [i for i, a in enumerate(in_avals)
+                  if casting.is_float_dtype(getattr(a, "dtype", None))]
+
+        if not floats:
+            # Integers, booleans, keys: exactly as written.
+            return interpret.bind(eqn, invals), [False] * nout
+
+        if name == "convert_element_type":
+            (x,), (k,) = invals, inkept
+            new = eqn.params["new_dtype"]
+            if in_avals[0].dtype == new:
+                # A weak-type or sharding adjustment: the value keeps its precision.
+                return [x], [k]
+            if not casting.is_float_dtype(new):
+                return interpret.bind(eqn, [x]), [False]
+            # An explicit cast in ``fn``: respected; a cast up to float32 is kept there.
+            return interpret.bind(eqn, [x]), [np.dtype(new).itemsize >= 4]
+
+        if name in rules.low_precision:
+            cast = list(invals)
+            for i in floats:
+                cast[i] = _cast(cast[i], self.compute_dtype)
+            params = dict(eqn.params)
+            pref = params.get("preferred_element_type")
+            if pref is not None and casting.is_float_dtype(pref):
+                params["preferred_element_type"] = self.compute_dtype
+            return interpret.bind(eqn, cast, params), [False] * nout
+
+        if name in rules.full_precision:
+            cast = list(invals)
+            for i in floats:
+                cast[i] = _cast(cast[i], casting.wide_dtype(in_avals[i].dtype))
+            outs = interpret.bind(eqn, cast)
+            return outs, [casting.is_float_dtype(o.dtype) for o in outs]
+
+        if name in rules.follow:
+            dtypes = [np.dtype(invals[i].dtype) for i in floats]
+            if any(inkept[i] for i in floats):
+                target = casting.wide_dtype(max(dtypes, key=lambda d: d.itemsize))
+                kept = True
+            elif self.compute_dtype in dtypes:
+                target, kept = self.compute_dtype, False
+            else:
+                target, kept = min(dtypes, key=lambda d: d.itemsize), False
+            cast = list(invals)
+            for i in floats:
+                cast[i] = _cast(cast[i], target)
+            outs = interpret.bind(eqn, cast)
+            return outs, [kept and casting.is_float_dtype(o.dtype) for o in outs]
+
+        if name in rules.passthrough:
+            outs = interpret.bind(eqn, invals)
+            if len(outs) == len(invals):
+                return outs, list(inkept)
+            return outs, [False] * nout
+
+        # No rule: run exactly as written, in the original dtypes.
+        return (interpret.bind(eqn, [_as_original(x, a) for x, a in zip(invals, in_avals)]),
+                [False] * nout)
 
 
 def _recompute_policy(low: frozenset) -> Callable:
@@ -447,10 +325,10 @@ def _recompute_policy(low: frozenset) -> Callable:
         for key in ("new_dtype", "dtype"):
             if key in params and params[key] is not None:
                 try:
-                    return not _is_float_dtype(params[key]) or _is_half(params[key])
+                    return not casting.is_float_dtype(params[key]) or _is_half(params[key])
                 except TypeError:
                     break
-        dtypes = [a.dtype for a in avals if _is_float_dtype(getattr(a, "dtype", None))]
+        dtypes = [a.dtype for a in avals if casting.is_float_dtype(getattr(a, "dtype", None))]
         return not dtypes or all(_is_half(d) for d in dtypes)
 
     return policy
@@ -460,10 +338,11 @@ def autocast(
     fn: Callable,
     compute_dtype: Any = jnp.bfloat16,
     *,
-    low_precision: Iterable[str] = LOW_PRECISION,
-    full_precision: Iterable[str] = FULL_PRECISION,
-    follow: Iterable[str] = FOLLOW,
-    passthrough: Iterable[str] = PASSTHROUGH,
+    rules: AutocastRules = AutocastRules(),
+    low_precision: Iterable[str] | None = None,
+    full_precision: Iterable[str] | None = None,
+    follow: Iterable[str] | None = None,
+    passthrough: Iterable[str] | None = None,
     recompute_float32: bool = True,
 ) -> Callable:
     """Runs ``fn`` with a precision chosen per operation, like ``torch.autocast``.
@@ -500,34 +379,42 @@ def autocast(
     to float32 inputs are float32 and the backward pass of a half-precision
     matrix product runs in half precision.
 
+    What is kept in float32, and what it costs: the outputs of
+    ``full_precision`` operations and what is computed from them (a softmax
+    normaliser, a variance) until a matrix product, an explicit cast or the
+    output of ``fn`` narrows them; loop carries of float32 loops. These
+    values are twice the size of half-precision ones, and every change of
+    precision is a conversion XLA has to run.
+
     With ``recompute_float32=True`` (the default for a half-precision
-    ``compute_dtype``) the float32 intermediates are not kept for the
+    ``compute_dtype``) those float32 intermediates are not kept for the
     backward pass: they are recomputed there from the half-precision values
     around them (``jax.checkpoint`` with a policy that saves only
     half-precision values and matrix products). The recomputed work is
-    elementwise operations and reductions, never a matrix product. It shrinks
-    what is kept for the backward pass (3.8x less than float32 on the
-    benchmark ViT, against 2x for casting everything), but not the peak:
-    float32 softmax and normalisation temporaries still exist while they are
-    computed, and XLA's estimate of the whole step stays above that of casting
-    every input to half precision.
+    elementwise operations and reductions, never a matrix product: less
+    memory kept for the backward pass, more time in it.
 
     Args:
         fn: any JAX function of arrays and pytrees of arrays; non-array
             leaves (Python numbers, strings, ...) are treated as constants.
         compute_dtype: the dtype of matrix products: ``jnp.bfloat16``
             (default), ``jnp.float16`` or ``jnp.float32``.
-        low_precision: primitive names run in ``compute_dtype``.
-        full_precision: primitive names run in float32.
-        follow: primitive names run in the narrowest dtype of their operands.
-        passthrough: primitive names whose operands keep their own dtypes.
+        rules: a :class:`jaxmp.AutocastRules`: which primitives run in which
+            precision (default: ``jaxmp.AutocastRules()``).
+        low_precision: if given, replaces ``rules.low_precision`` (primitive
+            names run in ``compute_dtype``).
+        full_precision: if given, replaces ``rules.full_precision``
+            (primitive names run in float32).
+        follow: if given, replaces ``rules.follow`` (primitive names run in
+            the narrowest dtype of their operands).
+        passthrough: if given, replaces ``rules.passthrough`` (primitive
+            names whose operands keep their own dtypes).
         recompute_float32: recompute float32 intermediates in the backward
             pass instead of saving them.
 
-    The defaults are the module-level frozensets, also available as
-    attributes of this function (``jaxmp.autocast.FULL_PRECISION``...); to
-    change a rule, pass a new set, e.g.
-    ``full_precision=jaxmp.autocast.FULL_PRECISION | {"tanh"}``.
+    The default sets are also attributes of this function
+    (``jaxmp.autocast.FULL_PRECISION``...); to change a rule, pass a new set,
+    e.g. ``full_precision=jaxmp.autocast.FULL_PRECISION | {"tanh"}``.
 
     Returns:
         A function with the signature and output dtypes of ``fn``.
@@ -548,12 +435,14 @@ def autocast(
     compute_dtype = casting.canonical_float_dtype(
         compute_dtype, allowed=casting.COMPUTE_DTYPES, what="compute_dtype"
     )
-    for label, rule in (("low_precision", low_precision), ("full_precision", full_precision),
-                        ("follow", follow), ("passthrough", passthrough)):
-        if isinstance(rule, str) or not all(isinstance(n, str) for n in rule):
-            raise TypeError(f"{label} must be a collection of primitive names (strings).")
-    rules = _Rules(compute_dtype, frozenset(low_precision), frozenset(full_precision),
-                   frozenset(follow), frozenset(passthrough))
+    if not isinstance(rules, AutocastRules):
+        raise TypeError(f"rules must be a jaxmp.AutocastRules, got {type(rules).__name__}.")
+    overrides = {"low_precision": low_precision, "full_precision": full_precision,
+                 "follow": follow, "passthrough": passthrough}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if overrides:
+        rules = dataclasses.replace(rules, **overrides)
+    interpreter = _Autocast(compute_dtype, rules)
     recompute = recompute_float32 and _is_half(compute_dtype)
 
     @functools.wraps(fn)
@@ -573,12 +462,11 @@ def autocast(
         out_avals = closed.out_avals
 
         def run(consts, dyn):
-            outs, _ = _eval_jaxpr(closed.jaxpr, consts, dyn, [False] * len(dyn), rules)
-            return [_cast(o, a.dtype) if _is_float_dtype(a.dtype) else o
-                    for o, a in zip(outs, out_avals)]
+            outs = interpreter.eval_jaxpr(closed.jaxpr, consts, dyn)
+            return [interpreter.to_original(o, a) for o, a in zip(outs, out_avals)]
 
         if recompute:
-            run = jax.checkpoint(run, policy=_recompute_policy(rules.low))
+            run = jax.checkpoint(run, policy=_recompute_policy(rules.low_precision))
         outs = run(list(closed.consts), dyn)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 

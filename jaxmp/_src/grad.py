@@ -106,7 +106,7 @@ def mp_value_and_grad(
     @kernel.wraps_adding_scaler_state(fn)
     def value_and_grad_fn(*args, scaler_state=kernel.REQUIRED, **kwargs):
         state = step.check_state(scaler_state)
-        diff, rebuild, devices = step.differentiable(args)
+        diff, rebuild, devices = step.differentiable(args, state)
         (_, (loss, aux)), grads = jax.value_and_grad(
             lambda d: step.scaled_loss(state, rebuild(d), kwargs), has_aux=True)(diff)
         grads = step.unscale(state, grads, diff)

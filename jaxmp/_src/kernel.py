@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jaxmp._src import casting
 from jaxmp._src import loss_scale
 from jaxmp._src import sharding
+from jaxmp._src import update
 
 PyTree = Any
 
@@ -222,15 +223,16 @@ class Step:
             raise missing_scaler_state(self.api)
         return loss_scale.check_scaler_state(scaler_state)
 
-    def differentiable(self, args: Sequence[Any]) -> tuple[tuple[PyTree, ...], Callable,
-                                                           sharding.Plan]:
+    def differentiable(self, args: Sequence[Any], state: loss_scale.ScalerState
+                       ) -> tuple[tuple[PyTree, ...], Callable, sharding.Plan]:
         """The floating-point leaves of the differentiated arguments, and how to put them back.
 
         Returns ``(diff, rebuild, devices)``: ``diff`` holds one tree per
         differentiated argument, with ``None`` in place of leaves that are not
         floating-point arrays (inside ``shard_map``, marked varying over the
         data axes); ``rebuild(diff)`` returns the full argument list with
-        those leaves replaced; ``devices`` is for :meth:`finish`.
+        those leaves replaced; ``devices`` is for :meth:`finish`. Warns, while
+        tracing, about half-precision parameters under float16 loss scaling.
         """
         positions = resolve_positions(self.nums, len(args), "argnums", self.argnums)
         parts = [casting.partition(args[i]) for i in positions]
@@ -240,6 +242,7 @@ class Step:
                 f"No floating-point array leaves to differentiate in the argument(s) "
                 f"argnums={self.argnums!r}. Gradients are taken with respect to float arrays only."
             )
+        update.warn_if_half_master_weights(diff, state, self.use_mixed_precision)
         diff, devices = sharding.prepare(diff, self.axis_name)
 
         def rebuild(new_diff):

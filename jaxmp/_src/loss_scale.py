@@ -13,16 +13,28 @@ Three modes share the one state type:
 * ``"static"`` (:func:`static_scaler`): a fixed scale.
 * ``"none"`` (:func:`noop_scaler`): no scaling at all, for bfloat16 or float32;
   finiteness is still tracked so that non-finite steps are skipped.
+
+Every mode also watches for *stuck* training: when the scale sits at its
+minimum and steps keep overflowing, no step can ever be applied again.
+:func:`adjust` then says so once (a :class:`TrainingStuckWarning` by default,
+an error or nothing, by the ``on_stuck`` setting), from inside the step: a
+``jax.debug.callback`` under ``lax.cond`` that runs only on that step, so a
+healthy step never calls back to the host.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import warnings
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
+from jax._src import config as jax_config
 
 from jaxmp._src import casting
 from jaxmp._src import sharding
@@ -30,6 +42,46 @@ from jaxmp._src import sharding
 PyTree = Any
 
 _FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
+ON_STUCK = ("warn", "raise", "off")
+
+
+class TrainingStuckWarning(RuntimeWarning):
+    """Issued once when every step overflows at the minimum loss scale.
+
+    Filter it like any warning, e.g.
+    ``warnings.simplefilter("error", jaxmp.TrainingStuckWarning)``, or choose
+    ``on_stuck="raise"`` / ``"off"`` when creating the scaler.
+
+    Examples:
+        >>> import warnings
+        >>> import jaxmp
+        >>> state = jaxmp.init_scaler(initial_scale=1.0, stuck_after=2)
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     for _ in range(3):
+        ...         state = jaxmp.adjust(state, False)
+        >>> [w.category is jaxmp.TrainingStuckWarning for w in caught]
+        [True]
+    """
+
+
+class TrainingStuckError(RuntimeError):
+    """Raised (with ``on_stuck="raise"``) when every step overflows at the minimum loss scale.
+
+    It is raised on the host by a callback of the step, so it reaches the
+    caller wrapped in JAX's runtime error (``jax.errors.JaxRuntimeError``, a
+    ``RuntimeError``), inside ``jit`` or not, whose message contains this one.
+
+    Examples:
+        >>> import jaxmp
+        >>> state = jaxmp.init_scaler(initial_scale=1.0, stuck_after=2, on_stuck="raise")
+        >>> try:
+        ...     for _ in range(3):
+        ...         state = jaxmp.adjust(state, False)
+        ... except RuntimeError as error:
+        ...     print("TrainingStuckError: jaxmp: training is stuck." in str(error))
+        True
+    """
 
 
 @struct.dataclass
@@ -50,6 +102,14 @@ class ScalerState:
         mode: ``"dynamic"``, ``"static"`` or ``"none"`` (static field).
         growth_interval, growth_factor, backoff_factor, min_scale, max_scale,
         hysteresis: the settings (static fields).
+        on_stuck: what :func:`adjust` does when training is stuck, that is when
+            ``stuck_after`` consecutive steps have overflowed and the scale is
+            at ``min_scale``: ``"warn"`` (a :class:`TrainingStuckWarning`, the
+            default), ``"raise"`` (a :class:`TrainingStuckError`) or ``"off"``
+            (static field).
+        stuck_after: the number of consecutive overflowing steps, counted by
+            ``overflow_streak``, after which training at ``min_scale`` is
+            called stuck (static field).
 
     Examples:
         >>> import jax
@@ -74,6 +134,8 @@ class ScalerState:
     min_scale: float = struct.field(pytree_node=False, default=1.0)
     max_scale: float = struct.field(pytree_node=False, default=2.0**24)
     hysteresis: int = struct.field(pytree_node=False, default=1)
+    on_stuck: str = struct.field(pytree_node=False, default="warn")
+    stuck_after: int = struct.field(pytree_node=False, default=10)
 
 
 def _check_number(name: str, value: Any, *, integer: bool = False) -> float | int:
@@ -94,13 +156,25 @@ def _check_number(name: str, value: Any, *, integer: bool = False) -> float | in
     return value
 
 
-def _make_state(initial_scale, mode, **settings) -> ScalerState:
+def _check_stuck_settings(on_stuck: Any, stuck_after: Any) -> tuple[str, int]:
+    if on_stuck not in ON_STUCK:
+        raise ValueError(f"on_stuck must be one of {', '.join(map(repr, ON_STUCK))}, got {on_stuck!r}.")
+    stuck_after = _check_number("stuck_after", stuck_after, integer=True)
+    if stuck_after < 1:
+        raise ValueError(f"stuck_after must be >= 1, got {stuck_after}.")
+    return on_stuck, stuck_after
+
+
+def _make_state(initial_scale, mode, *, on_stuck, stuck_after, **settings) -> ScalerState:
+    on_stuck, stuck_after = _check_stuck_settings(on_stuck, stuck_after)
     return ScalerState(
         scale=jnp.asarray(initial_scale, jnp.float32),
         steps_since_overflow=jnp.zeros((), jnp.int32),
         overflow_streak=jnp.zeros((), jnp.int32),
         skipped_steps=jnp.zeros((), jnp.int32),
         mode=mode,
+        on_stuck=on_stuck,
+        stuck_after=stuck_after,
         **settings,
     )
 
@@ -113,6 +187,9 @@ def init_scaler(
     min_scale: float = 1.0,
     max_scale: float = 2.0**24,
     hysteresis: int = 1,
+    *,
+    on_stuck: str = "warn",
+    stuck_after: int = 10,
 ) -> ScalerState:
     """Creates the state of a dynamic loss scaler.
 
@@ -131,6 +208,12 @@ def init_scaler(
         max_scale: upper bound of the scale (at most float32's largest value).
         hysteresis: consecutive overflows tolerated before backing off
             (a whole number >= 1; 1 backs off on every overflow).
+        on_stuck: ``"warn"`` (default), ``"raise"`` or ``"off"``: what to do
+            when training is stuck, i.e. when ``stuck_after`` consecutive
+            steps have overflowed and the scale is at ``min_scale`` (see
+            :func:`adjust`).
+        stuck_after: consecutive overflowing steps before training at
+            ``min_scale`` counts as stuck (a whole number >= 1).
 
     Returns:
         A :class:`ScalerState`.
@@ -182,14 +265,17 @@ def init_scaler(
         min_scale=min_scale,
         max_scale=max_scale,
         hysteresis=hysteresis,
+        on_stuck=on_stuck,
+        stuck_after=stuck_after,
     )
 
 
-def static_scaler(scale: float) -> ScalerState:
+def static_scaler(scale: float, *, on_stuck: str = "warn", stuck_after: int = 10) -> ScalerState:
     """Creates a scaler with a fixed scale.
 
     Non-finite steps are still counted and reported, so that they can be
-    skipped, but the scale never changes.
+    skipped, but the scale never changes. ``on_stuck`` and ``stuck_after``
+    are as for :func:`init_scaler` (the fixed scale is the minimum).
 
     Examples:
         >>> import jaxmp
@@ -200,15 +286,17 @@ def static_scaler(scale: float) -> ScalerState:
     scale = _check_number("scale", scale)
     if not 0.0 < scale <= _FLOAT32_MAX:
         raise ValueError(f"scale must be positive and fit in float32, got {scale}.")
-    return _make_state(scale, "static", min_scale=scale, max_scale=scale)
+    return _make_state(scale, "static", min_scale=scale, max_scale=scale, on_stuck=on_stuck,
+                       stuck_after=stuck_after)
 
 
-def noop_scaler() -> ScalerState:
+def noop_scaler(*, on_stuck: str = "warn", stuck_after: int = 10) -> ScalerState:
     """Creates a scaler that does not scale: for bfloat16 or float32 training.
 
     :func:`scale` and :func:`unscale` only convert to float32; :func:`adjust`
-    counts skipped steps. The interface is that of the other scalers, so a
-    training loop does not change.
+    counts skipped steps, and says when ``stuck_after`` consecutive steps were
+    not finite (``on_stuck``, as for :func:`init_scaler`). The interface is
+    that of the other scalers, so a training loop does not change.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -219,7 +307,8 @@ def noop_scaler() -> ScalerState:
         >>> int(jaxmp.adjust(state, False).skipped_steps)  # a non-finite step is still counted
         1
     """
-    return _make_state(1.0, "none", min_scale=1.0, max_scale=1.0)
+    return _make_state(1.0, "none", min_scale=1.0, max_scale=1.0, on_stuck=on_stuck,
+                       stuck_after=stuck_after)
 
 
 def check_scaler_state(state: Any, name: str = "scaler_state") -> ScalerState:
@@ -232,11 +321,6 @@ def check_scaler_state(state: Any, name: str = "scaler_state") -> ScalerState:
     return state
 
 
-def _wide_dtype(x) -> Any:
-    # float64 stays float64 (with x64 enabled); everything narrower becomes float32.
-    return x.dtype if jnp.finfo(x.dtype).bits > 32 else jnp.float32
-
-
 def _apply_scale(state: ScalerState, tree: PyTree, op: Callable) -> PyTree:
     """Widens the floating-point leaves of ``tree`` to float32, then applies ``op(leaf, scale)``."""
     check_scaler_state(state)
@@ -245,7 +329,7 @@ def _apply_scale(state: ScalerState, tree: PyTree, op: Callable) -> PyTree:
         if not casting.is_float_array(x):
             return x
         x = jnp.asarray(x)
-        x = x.astype(_wide_dtype(x))
+        x = x.astype(casting.wide_dtype(x.dtype))
         return x if state.mode == "none" else op(x, state.scale.astype(x.dtype))
 
     return jax.tree_util.tree_map(leaf, tree)
@@ -303,12 +387,85 @@ def check_finite_flag(finite: Any) -> jax.Array:
     return finite
 
 
+# A JAX configuration state, so that it is part of the trace cache key: a step
+# traced with callbacks is traced again, without, inside ``no_host_callbacks``.
+_HOST_CALLBACKS = jax_config.bool_state(
+    "jaxmp_host_callbacks", True,
+    "Whether jaxmp's steps may call back to the host (stuck and overflow messages).",
+    include_in_trace_context=True, include_in_jit_key=True)
+
+
+@contextlib.contextmanager
+def no_host_callbacks():
+    """Within this block, steps traced by jaxmp contain no host callback.
+
+    For programs lowered for another platform than the machine's (the GPU
+    FLOP count of :func:`jaxmp.matmul_flops` on a CPU-only machine): a host
+    callback cannot be lowered there. Training steps never need it.
+    """
+    with _HOST_CALLBACKS(False):
+        yield
+
+
+def host_callbacks_enabled() -> bool:
+    """False inside :func:`no_host_callbacks`: skip the stuck and overflow messages."""
+    return bool(_HOST_CALLBACKS.value)
+
+
+def stuck_message(state: ScalerState, streak: int) -> str:
+    """The text a user reads when training is stuck (see :func:`adjust`).
+
+    Only the settings of ``state`` (static fields) are read.
+    """
+    if state.mode == "none":
+        where = "without loss scaling"
+        cause = ("The loss or the gradients are inf/NaN whatever the step: an operation "
+                 "overflows (or divides by zero) in this precision.")
+    else:
+        where = f"at the minimum loss scale ({state.min_scale:g})"
+        cause = ("Lowering the scale cannot help: an operation overflows float16 by itself, "
+                 "typically the backward pass of a normalisation (rsqrt of a small variance), "
+                 "a softmax or a large sum computed in float16.")
+    return (
+        f"jaxmp: training is stuck. The last {streak} steps all had non-finite gradients "
+        f"{where} and were skipped: the parameters no longer change. {cause}\n"
+        "  Find the operation:  print(jaxmp.find_nonfinite(loss_fn, compute_dtype=...)"
+        "(params, *batch))  (the same options as mp_value_and_grad)\n"
+        "  Then fix it with one of: mp_value_and_grad(..., autocast=True) (sums, variances, "
+        "exp/log in float32); jaxmp.force_full_precision around the overflowing code; "
+        "compute_dtype=jnp.bfloat16 (float32's range); float32 master weights.\n"
+        f"  (Said once per stuck run; the scaler's on_stuck='{state.on_stuck}' setting: "
+        "'warn', 'raise' or 'off'.)"
+    )
+
+
+def _report_stuck(settings: ScalerState, fire: Any, streak: Any) -> None:
+    """Host side of the stuck check; only called on the step that gets stuck."""
+    # Under vmap, lax.cond becomes a select and this runs for every step: check again.
+    fire = np.asarray(fire)
+    if not fire.any():
+        return
+    message = stuck_message(settings, int(np.max(np.asarray(streak))))
+    if settings.on_stuck == "raise":
+        raise TrainingStuckError(message)
+    warnings.warn(message, TrainingStuckWarning, stacklevel=1)
+
+
 def adjust(state: ScalerState, finite: Any) -> ScalerState:
     """Returns the state after a step whose gradients were ``finite`` or not.
 
     Pure and traceable: call it inside ``jit``, ``lax.scan`` or ``shard_map``.
     The result has exactly the type of ``state`` (same dtypes, same settings),
     so a scan carry or a jit cache never sees a new type.
+
+    It also detects stuck training: on the first step at which the last
+    ``state.stuck_after`` steps have all overflowed *and* the scale is at
+    ``min_scale``, it warns (``on_stuck="warn"``, a
+    :class:`TrainingStuckWarning`), raises (``"raise"``, a
+    :class:`TrainingStuckError`) or does nothing (``"off"``). The message
+    says what to do. It is said once per stuck run (the next finite step
+    starts a new count), through a ``jax.debug.callback`` that only the stuck
+    step executes: healthy steps never call back to the host.
 
     Args:
         state: a :class:`ScalerState`.
@@ -327,6 +484,18 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
         >>> step = jax.jit(jaxmp.adjust)  # traceable; two finite steps grow the scale
         >>> float(step(step(state, jnp.asarray(True)), jnp.asarray(True)).scale)
         8.0
+
+        >>> import warnings
+        >>> import jaxmp
+        >>> state = jaxmp.init_scaler(initial_scale=4.0, stuck_after=3)
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     for _ in range(5):
+        ...         state = jaxmp.adjust(state, False)
+        >>> float(state.scale), int(state.overflow_streak), len(caught)
+        (1.0, 5, 1)
+        >>> str(caught[0].message).startswith("jaxmp: training is stuck. The last 3 steps")
+        True
     """
     check_scaler_state(state)
     finite = check_finite_flag(finite)
@@ -342,8 +511,24 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
         grown = jnp.minimum(state.scale * state.growth_factor, state.max_scale)
         shrunk = jnp.maximum(state.scale * state.backoff_factor, state.min_scale)
         new_scale = jnp.where(grow, grown, jnp.where(back_off, shrunk, state.scale))
+    new_scale = new_scale.astype(jnp.float32)
+    if state.on_stuck != "off" and host_callbacks_enabled():
+        # Stuck now, and not yet after the previous step (whose result is
+        # ``state``): true on exactly one step of a run of overflows.
+        floor = jnp.asarray(state.min_scale, jnp.float32)
+        stuck = (streak >= state.stuck_after) & (new_scale <= floor)
+        was_stuck = (state.overflow_streak >= state.stuck_after) & (state.scale <= floor)
+        fire = stuck & jnp.logical_not(was_stuck)
+        # The callback gets the settings only (no traced arrays).
+        settings = jax.tree_util.tree_map(lambda _: None, state)
+        jax.lax.cond(
+            fire,
+            lambda f, n: jax.debug.callback(functools.partial(_report_stuck, settings), f, n),
+            lambda f, n: None,
+            fire, streak,
+        )
     return state.replace(
-        scale=new_scale.astype(jnp.float32),
+        scale=new_scale,
         steps_since_overflow=since.astype(jnp.int32),
         overflow_streak=streak.astype(jnp.int32),
         skipped_steps=skipped.astype(jnp.int32),

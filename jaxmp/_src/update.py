@@ -1,13 +1,23 @@
-"""Optimizer updates that are skipped, losing nothing, when gradients are not finite."""
+"""Optimizer updates that are skipped, losing nothing, when they would not be finite.
+
+A step is skipped when its gradients are not finite (the ``finite`` flag of
+:func:`jaxmp.mp_value_and_grad`) *and* when the optimizer's own update is not:
+half-precision optimizer arithmetic can overflow on finite gradients. This
+module also holds the trace-time check that the parameters being
+differentiated under float16 loss scaling are float32 master weights.
+"""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from jaxmp._src import casting
 from jaxmp._src import loss_scale
 
 PyTree = Any
@@ -43,30 +53,73 @@ def select_tree(pred: Any, on_true: PyTree, on_false: PyTree) -> PyTree:
     return jax.tree_util.tree_map(leaf, on_true, on_false)
 
 
+def _warn_update_not_finite(applied: Any) -> None:
+    """Host side: only called on a step whose gradients were finite but whose update was not."""
+    if np.asarray(applied).all():  # under vmap every step calls back: check again
+        return
+    warnings.warn(
+        "jaxmp.optimizer_update: the gradients were finite but the optimizer's update (or the "
+        "updated parameters) was not, so the step was skipped. This happens when parameters or "
+        "optimizer state are kept in half precision (Adam's second moment or an update overflows "
+        "float16). Keep master weights in float32: cast them with jaxmp.cast_to_float32 before "
+        "optimizer.init, and let mp_value_and_grad cast them to the compute dtype; with Haiku "
+        "policies use params=float32 (jaxmp.get_policy('p=f32,c=f16,o=f32')).",
+        RuntimeWarning,
+        stacklevel=1,
+    )
+
+
 def optimizer_update(
     params: PyTree,
     optimizer: optax.GradientTransformation,
     opt_state: PyTree,
     grads: PyTree,
     finite: Any,
-) -> tuple[PyTree, PyTree]:
-    """Applies one optax step if ``finite``; otherwise returns the inputs unchanged.
+    *,
+    return_applied: bool = False,
+    **extra_args: Any,
+) -> tuple[PyTree, PyTree] | tuple[PyTree, PyTree, jax.Array]:
+    """Applies one optax step if it is finite; otherwise returns the inputs unchanged.
 
-    When ``finite`` is false, the parameters and the optimizer state (moments,
-    step counts, schedules) come back bit-for-bit identical, so a skipped step
-    leaves no trace. Works under ``jit`` and inside ``lax.scan`` (no host
-    synchronisation), with any optax optimizer, and with parameter trees that
-    hold ``None`` leaves, as ``equinox.partition`` leaves them.
+    The step is applied only when ``finite`` is true (the gradients are
+    finite) *and* the updated floating-point parameters are all finite, so an
+    optimizer that overflows by itself (e.g. Adam's moments kept in float16)
+    cannot write ``inf`` or ``NaN`` into the parameters. A skipped step
+    returns the parameters and the optimizer state (moments, step counts,
+    schedules) bit-for-bit identical: it leaves no trace. When the gradients
+    were finite but the update was not, a ``RuntimeWarning`` says why, from
+    inside the step (a ``jax.debug.callback`` that healthy steps never run).
+
+    Only the floating-point array leaves of ``params`` are given to the
+    optimizer and updated; every other leaf (integer arrays, ``None``, the
+    functions and settings of an Equinox module) passes through unchanged, as
+    with ``equinox.apply_updates``. Initialise the optimizer on the same
+    leaves, e.g. ``optimizer.init(eqx.filter(model, eqx.is_inexact_array))``.
+
+    Works under ``jit`` and inside ``lax.scan`` (no host synchronisation on a
+    healthy step), with any optax optimizer.
 
     Args:
-        params: the parameters.
+        params: the parameters: any pytree, e.g. a dict or an Equinox module.
         optimizer: an ``optax.GradientTransformation``.
         opt_state: its state.
-        grads: gradients with the structure of ``params``.
+        grads: gradients with the structure of ``params`` (``None`` where a
+            leaf is not differentiated), as :func:`mp_value_and_grad` returns.
         finite: scalar boolean, as returned by :func:`mp_value_and_grad`.
+        return_applied: also return whether the step was applied. Off by
+            default so that ``params, opt_state = optimizer_update(...)``
+            keeps working.
+        **extra_args: passed to ``optimizer.update``, for transformations that
+            need them: ``value=loss`` for ``optax.contrib.reduce_on_plateau``,
+            ``value=``, ``grad=`` and ``value_fn=`` for ``optax.lbfgs``. A
+            ``value_fn`` is called with the floating-point leaves the
+            optimizer sees and gets the whole ``params`` back. Optimizers that
+            take no extra arguments ignore them.
 
     Returns:
-        ``(params, opt_state)`` after the step, or unchanged.
+        ``(params, opt_state)`` after the step, or unchanged; with
+        ``return_applied=True``, ``(params, opt_state, applied)`` where
+        ``applied`` is a scalar boolean, false for a skipped step.
 
     Examples:
         >>> import jax.numpy as jnp, optax
@@ -78,14 +131,78 @@ def optimizer_update(
         >>> new, _ = jaxmp.optimizer_update(params, opt, state, grads, jnp.asarray(False))
         >>> new["w"].tolist()
         [1.0, 1.0]
+
+        An update that overflows the (here float16) parameters is skipped too:
+
+        >>> opt = optax.sgd(1.0)
+        >>> params = {"w": jnp.full(2, 60000.0, jnp.float16)}
+        >>> grads = {"w": jnp.full(2, -1e4, jnp.float16)}  # 70000 does not fit in float16
+        >>> new, _, applied = jaxmp.optimizer_update(
+        ...     params, opt, opt.init(params), grads, jnp.asarray(True), return_applied=True)
+        >>> new["w"].tolist(), bool(applied)
+        ([60000.0, 60000.0], False)
     """
     finite = loss_scale.check_finite_flag(finite)
+    if not isinstance(return_applied, bool):
+        raise TypeError(f"return_applied must be True or False, got {return_applied!r}.")
+    floats, rest = casting.partition(params)
+    if "value_fn" in extra_args and callable(extra_args["value_fn"]):
+        value_fn = extra_args["value_fn"]
+        extra_args["value_fn"] = lambda p, *a, **k: value_fn(casting.combine(p, rest), *a, **k)
+    if extra_args and not isinstance(optimizer, optax.GradientTransformationExtraArgs):
+        optimizer = optax.with_extra_args_support(optimizer)
     # optax's transformations rely on standard promotion internally (e.g. a
     # float decay raised to an int32 step count). Allow it for the optimizer
     # alone, so users who trace under strict promotion can still use optax.
     with jax.numpy_dtype_promotion("standard"):
-        updates, new_opt_state = optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-    params = select_tree(finite, new_params, params)
-    opt_state = select_tree(finite, new_opt_state, opt_state)
+        updates, new_opt_state = optimizer.update(grads, opt_state, floats, **extra_args)
+        new_floats = optax.apply_updates(floats, updates)
+    # Checking the updated parameters covers a non-finite update (p + inf is
+    # not finite) and one that overflows the parameters' own dtype.
+    update_finite = loss_scale.all_finite(new_floats)
+    applied = finite & update_finite
+    if loss_scale.host_callbacks_enabled():
+        jax.lax.cond(
+            finite & jnp.logical_not(update_finite),
+            lambda a: jax.debug.callback(_warn_update_not_finite, a),
+            lambda a: None,
+            applied,
+        )
+    params = select_tree(applied, casting.combine(new_floats, rest), params)
+    opt_state = select_tree(applied, new_opt_state, opt_state)
+    if return_applied:
+        return params, opt_state, applied
     return params, opt_state
+
+
+def warn_if_half_master_weights(diff: PyTree, state: loss_scale.ScalerState,
+                                use_mixed_precision: bool = True) -> None:
+    """Warns, at trace time, when half-precision parameters are trained under float16 scaling.
+
+    Called by the gradient step with the leaves it differentiates. With a
+    dynamic or static loss scale (float16 training) the parameters should be
+    float32 master weights: float16 parameters make the optimizer's arithmetic
+    and the update itself run in float16, where small updates round away and
+    large ones overflow. Pure bfloat16 training (a ``noop_scaler``) is a
+    legitimate choice and stays quiet.
+    """
+    if not use_mixed_precision or state.mode == "none":
+        return
+    leaves = jax.tree_util.tree_leaves_with_path(diff)
+    half = [(path, x) for path, x in leaves
+            if casting.is_float_array(x) and jnp.dtype(x.dtype).itemsize < 4]
+    if not half:
+        return
+    path, x = half[0]
+    warnings.warn(
+        f"jaxmp: {len(half)} of {len(leaves)} differentiated parameter arrays are in half "
+        f"precision (e.g. {jax.tree_util.keystr(path) or 'the argument'}: {x.dtype}) while the "
+        f"loss is scaled for float16 ({state.mode} loss scaling). Keep master weights in "
+        "float32: mp_value_and_grad casts them to the compute dtype for the forward and "
+        "backward pass, and the optimizer then updates float32 values (in half precision, "
+        "small updates round away and Adam's moments overflow). Cast them with "
+        "jaxmp.cast_to_float32 before optimizer.init; with Haiku, set policies after init or "
+        "use params=float32 (jaxmp.get_policy('p=f32,c=f16,o=f32')).",
+        UserWarning,
+        stacklevel=3,
+    )

@@ -1,0 +1,343 @@
+"""Evaluating a jaxpr again, one equation at a time: the shared interpreter.
+
+``autocast`` and ``find_nonfinite`` both walk a jaxpr equation by equation,
+each with its own behaviour per first-order equation, and both must recurse
+into the higher-order primitives (nested ``jit``, ``scan``, ``while``,
+``cond``, ``checkpoint``, ``custom_jvp_call``, ``custom_vjp_call``). This
+module holds that walk once.
+
+The API:
+
+* :class:`Interpreter` holds the environment walk (:meth:`~Interpreter.eval_jaxpr`,
+  :meth:`~Interpreter.eval_closed`) and dispatches each equation
+  (:meth:`~Interpreter.eval_eqn`): to the handler registered for its
+  primitive name in ``interpreter.handlers`` if there is one, otherwise to
+  :meth:`~Interpreter.first_order`. A client subclasses it and overrides
+  ``first_order``; it may also pass its own handler table (start from
+  :data:`HANDLERS`, e.g. ``{**interpret.HANDLERS, "scan": my_scan}``).
+* The *values* the interpreter moves around are the client's: any pytree of
+  arrays (a bare array by default; a pair ``(value, shadow)``; an array
+  wrapped in a pytree node whose static auxiliary data marks it). The
+  handlers pass them through ``lax.scan``, ``lax.while_loop``,
+  ``lax.switch``, ``jax.checkpoint``, ``jax.custom_jvp`` and
+  ``jax.custom_vjp`` as pytrees, so static information a client keeps in a
+  pytree node's auxiliary data comes back out of traced bodies by itself,
+  with no side channel.
+* The handlers ask the client a few questions, as methods with neutral
+  defaults: :meth:`~Interpreter.literal` and :meth:`~Interpreter.const`
+  (the value of a jaxpr literal or of a ``ClosedJaxpr`` constant),
+  :meth:`~Interpreter.loop_carry` (loop carries, at entry and after each
+  iteration: they must keep one type), :meth:`~Interpreter.unify_branches`
+  (``cond`` outputs when branches disagree), :meth:`~Interpreter.to_original`
+  and :meth:`~Interpreter.from_original` (the array the original program
+  would see, for custom derivative rules, and back).
+* :func:`bind` binds an equation's primitive on arrays, as
+  ``jax.core.eval_jaxpr`` does.
+
+A handler is ``handler(interpreter, eqn, invals) -> list of outvals``; it
+calls ``interpreter.eval_closed`` (or ``eval_jaxpr``) on the sub-jaxprs.
+
+Example: an interpreter that runs a function as written while recording the
+first-order primitives it meets, nested ``jit`` included:
+
+>>> import jax, jax.numpy as jnp
+>>> from jaxmp._src import interpret
+>>> class Recorder(interpret.Interpreter):
+...     def __init__(self):
+...         super().__init__()
+...         self.names = []
+...     def first_order(self, eqn, invals):
+...         self.names.append(eqn.primitive.name)
+...         return interpret.bind(eqn, invals)
+>>> closed = jax.make_jaxpr(lambda x: jax.jit(jnp.sin)(x) * 2.0)(1.0)
+>>> recorder = Recorder()
+>>> (out,) = recorder.eval_closed(closed, [jnp.float32(0.5)])
+>>> recorder.names, round(float(out), 4)
+(['sin', 'mul'], 0.9589)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import source_info_util
+from jax.extend import core as jex_core
+
+Handler = Callable[["Interpreter", Any, list], list]
+
+
+def bind(eqn, invals: Sequence[Any], params: Mapping[str, Any] | None = None) -> list[Any]:
+    """Binds the primitive of ``eqn`` on ``invals`` (arrays); always returns a list.
+
+    The new equation keeps the source location of ``eqn`` (the user's line),
+    not this function's, so that a program rewritten by an interpreter still
+    points at the user's code.
+    """
+    params = eqn.params if params is None else params
+    with source_info_util.user_context(eqn.source_info.traceback,
+                                       name_stack=source_info_util.current_name_stack()):
+        out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+class Interpreter:
+    """Evaluates jaxprs equation by equation; subclass it to change what an equation does.
+
+    Args:
+        handlers: primitive name -> handler for the primitives that are not
+            evaluated by :meth:`first_order` (default :data:`HANDLERS`).
+    """
+
+    def __init__(self, handlers: Mapping[str, Handler] | None = None):
+        self.handlers = HANDLERS if handlers is None else handlers
+
+    # --- The walk ------------------------------------------------------------------------
+
+    def eval_jaxpr(self, jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        """The outputs of ``jaxpr`` (an open ``Jaxpr``) on ``consts`` and ``args`` (values)."""
+        env: dict[Any, Any] = {}
+
+        def read(v):
+            return self.literal(v) if isinstance(v, jex_core.Literal) else env[v]
+
+        for v, x in zip(jaxpr.constvars, consts):
+            env[v] = x
+        for v, x in zip(jaxpr.invars, args):
+            env[v] = x
+        for eqn in jaxpr.eqns:
+            outs = self.eval_eqn(eqn, [read(v) for v in eqn.invars])
+            for v, x in zip(eqn.outvars, outs):
+                env[v] = x
+        return [read(v) for v in jaxpr.outvars]
+
+    def eval_closed(self, closed, args: Sequence[Any]) -> list[Any]:
+        """The outputs of a ``ClosedJaxpr`` on ``args``; its constants go through :meth:`const`."""
+        return self.eval_jaxpr(closed.jaxpr, [self.const(c) for c in closed.consts], args)
+
+    def eval_eqn(self, eqn, invals: list) -> list:
+        """One equation: its handler if its primitive has one, else :meth:`first_order`."""
+        handler = self.handlers.get(eqn.primitive.name)
+        if handler is not None:
+            return handler(self, eqn, invals)
+        return self.first_order(eqn, invals)
+
+    # --- What a client overrides -----------------------------------------------------------
+
+    def first_order(self, eqn, invals: list) -> list:
+        """An equation without a handler; by default, runs it as written."""
+        return bind(eqn, invals)
+
+    def literal(self, lit) -> Any:
+        """The value of a jaxpr ``Literal``."""
+        return jnp.asarray(lit.val, lit.aval.dtype)
+
+    def const(self, array) -> Any:
+        """The value of a constant (an array) of a ``ClosedJaxpr``."""
+        return array
+
+    def loop_carry(self, values: list, avals: Sequence[Any]) -> list:
+        """Loop carries (``scan``, ``while``) on entry and after every iteration.
+
+        A loop needs one type for its carry: the result must not depend on
+        whether it is called on the initial values or on a body's outputs.
+        ``avals`` are the carries' types in the original program.
+        """
+        del avals
+        return values
+
+    def unify_branches(self, branch_shapes: Sequence[list], avals: Sequence[Any]) -> Callable:
+        """How to bring the outputs of every ``cond`` branch to one type.
+
+        Args:
+            branch_shapes: per branch, its outputs as ``jax.eval_shape`` gives
+                them (same pytrees as the values, ``ShapeDtypeStruct`` leaves).
+            avals: the outputs' types in the original program.
+
+        Returns:
+            A function applied to each branch's list of outputs. The default
+            casts a leaf whose dtype differs between branches to the
+            original dtype.
+        """
+        leaves = [[jax.tree_util.tree_leaves(o) for o in shapes] for shapes in branch_shapes]
+
+        def fix(outs):
+            fixed = []
+            for i, (out, aval) in enumerate(zip(outs, avals)):
+                dtypes = [{l.dtype for l in per_branch[i]} for per_branch in leaves]
+                if all(d == dtypes[0] for d in dtypes):
+                    fixed.append(out)
+                else:
+                    fixed.append(jax.tree_util.tree_map(
+                        lambda x, a=aval: lax.convert_element_type(x, a.dtype), out))
+            return fixed
+
+        return fix
+
+    def to_original(self, value: Any, aval: Any) -> Any:
+        """The array the original program has where the client has ``value``.
+
+        Used to run a custom derivative rule as written; also applied to
+        tangents and cotangents, which have the pytree structure of values.
+        """
+        del aval
+        return value
+
+    def from_original(self, array: Any, like: Any) -> Any:
+        """The inverse of :meth:`to_original`, shaped like the client value ``like``.
+
+        Used for the tangents and cotangents that a custom rule returns.
+        ``like`` is a value, or a skeleton of one (``ShapeDtypeStruct``
+        leaves): use only its structure and dtypes. A cotangent for an
+        integer input may be returned as ``None``.
+        """
+        del like
+        return array
+
+
+# --- The handlers of higher-order primitives ------------------------------------------------
+
+
+def _call(interp: Interpreter, eqn, invals):
+    closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if isinstance(closed, jex_core.ClosedJaxpr):
+        return interp.eval_closed(closed, invals)
+    return interp.eval_jaxpr(closed, (), invals)
+
+
+def _checkpoint(interp: Interpreter, eqn, invals):
+    jaxpr = eqn.params["jaxpr"]
+
+    def body(*xs):
+        return interp.eval_jaxpr(jaxpr, (), xs)
+
+    return list(jax.checkpoint(
+        body, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy")
+    )(*invals))
+
+
+def _scan(interp: Interpreter, eqn, invals):
+    p = eqn.params
+    nc, ncarry = p["num_consts"], p["num_carry"]
+    carry_avals = [v.aval for v in eqn.invars[nc:nc + ncarry]]
+    consts, init, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
+
+    def step(carry, x):
+        outs = interp.eval_closed(p["jaxpr"], [*consts, *carry, *x])
+        return interp.loop_carry(outs[:ncarry], carry_avals), outs[ncarry:]
+
+    carry, ys = lax.scan(
+        step, interp.loop_carry(list(init), carry_avals), list(xs), length=p["length"],
+        reverse=p["reverse"], unroll=p["unroll"], _split_transpose=p.get("_split_transpose", False),
+    )
+    return [*carry, *ys]
+
+
+def _while(interp: Interpreter, eqn, invals):
+    p = eqn.params
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
+    carry_avals = [v.aval for v in eqn.invars[cn + bn:]]
+
+    def cond_fun(carry):
+        (pred,) = interp.eval_closed(p["cond_jaxpr"], [*cconsts, *carry])
+        return interp.to_original(pred, p["cond_jaxpr"].out_avals[0])
+
+    def body_fun(carry):
+        outs = interp.eval_closed(p["body_jaxpr"], [*bconsts, *carry])
+        return interp.loop_carry(outs, carry_avals)
+
+    return list(lax.while_loop(cond_fun, body_fun, interp.loop_carry(list(init), carry_avals)))
+
+
+def _cond(interp: Interpreter, eqn, invals):
+    branches = eqn.params["branches"]
+    index, ops = invals[0], invals[1:]
+    avals = [v.aval for v in eqn.outvars]
+
+    def run(closed):
+        return lambda *xs: interp.eval_closed(closed, xs)
+
+    shapes = [jax.eval_shape(run(b), *ops) for b in branches]
+    fix = interp.unify_branches(shapes, avals)
+
+    def final(closed):
+        return lambda *xs: fix(interp.eval_closed(closed, xs))
+
+    index = interp.to_original(index, eqn.invars[0].aval)
+    return list(lax.switch(index, [final(b) for b in branches], *ops))
+
+
+def _custom_parts(interp: Interpreter, eqn):
+    """The body under ``interp`` and the call as written, in the original dtypes."""
+    in_avals = [v.aval for v in eqn.invars]
+
+    def primal(*xs):
+        return interp.eval_closed(eqn.params["call_jaxpr"], xs)
+
+    def original(*xs):
+        return bind(eqn, xs)
+
+    def to_original(values):
+        return [interp.to_original(x, a) for x, a in zip(values, in_avals)]
+
+    return primal, original, to_original
+
+
+def _custom_jvp(interp: Interpreter, eqn, invals):
+    """The primal runs under ``interp``; the derivative is the function's own rule, as written."""
+    primal, original, to_original = _custom_parts(interp, eqn)
+    fun = jax.custom_jvp(primal)
+
+    @fun.defjvp
+    def _(primals, tangents):
+        outs = fun(*primals)
+        _, out_tangents = jax.jvp(original, tuple(to_original(primals)), tuple(to_original(tangents)))
+        return outs, [interp.from_original(t, o) for t, o in zip(out_tangents, outs)]
+
+    return list(fun(*invals))
+
+
+def _custom_vjp(interp: Interpreter, eqn, invals):
+    """The primal runs under ``interp``; the derivative is the function's own rule, as written.
+
+    Under differentiation the original forward rule runs too, to produce the
+    residuals its backward rule expects; what of it the residuals do not need
+    is removed by dead-code elimination.
+    """
+    primal, original, to_original = _custom_parts(interp, eqn)
+    out_avals = [v.aval for v in eqn.outvars]
+    # The input cotangents take the structure and dtypes of the inputs: a
+    # skeleton of them, not the values (which would become residuals).
+    likes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), invals)
+    fun = jax.custom_vjp(primal)
+
+    def fwd(*xs):
+        _, vjp_fn = jax.vjp(original, *to_original(xs))
+        return primal(*xs), vjp_fn
+
+    def bwd(vjp_fn, cts):
+        in_cts = vjp_fn([interp.to_original(c, a) for c, a in zip(cts, out_avals)])
+        return tuple(interp.from_original(c, x) for c, x in zip(in_cts, likes))
+
+    fun.defvjp(fwd, bwd)
+    return list(fun(*invals))
+
+
+#: The default handler table: primitive name -> handler.
+HANDLERS: Mapping[str, Handler] = {
+    "jit": _call,
+    "pjit": _call,
+    "closed_call": _call,
+    "core_call": _call,
+    "checkpoint": _checkpoint,
+    "remat": _checkpoint,
+    "remat2": _checkpoint,
+    "scan": _scan,
+    "while": _while,
+    "cond": _cond,
+    "custom_jvp_call": _custom_jvp,
+    "custom_vjp_call": _custom_vjp,
+}

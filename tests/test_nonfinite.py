@@ -1,0 +1,292 @@
+"""Tests of jaxmp._src.nonfinite: find_nonfinite names the operation, the pass and the line."""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmp
+
+HERE = "test_nonfinite.py"
+
+
+def _line_of(fn, text):
+    """``test_nonfinite.py:N`` for the line of ``fn``'s source that contains ``text``."""
+    lines, start = inspect.getsourcelines(fn)
+    (offset,) = [i for i, line in enumerate(lines) if text in line]
+    return f"{HERE}:{start + offset}"
+
+
+def _overflows(report):
+    return [f for f in report.findings if f.kind == "overflow"]
+
+
+# The two cases of the issue: a forward exp, a layer norm's backward pass. ---------
+
+def exp_loss(w, x):
+    logits = x @ w
+    return jnp.mean(jnp.exp(logits))
+
+
+def test_forward_exp_overflow_names_exp_and_the_line():
+    w, x = jnp.full((4,), 3.0), jnp.ones((2, 4))  # exp(12) = 162755 > 65504
+    report = jaxmp.find_nonfinite(exp_loss)(w, x)
+    assert bool(report)
+    first = _overflows(report)[0]
+    assert (first.phase, first.primitive) == ("forward", "exp")
+    assert first.where.startswith(_line_of(exp_loss, "jnp.exp"))
+    np.testing.assert_allclose(first.float32_max, np.exp(12.0), rtol=1e-3)  # the float32 reference
+    assert first.half_max == np.inf and first.count == 2 and first.size == 2
+    assert "float32" in first.hint and "autocast=True" in first.hint
+    text = str(report)
+    assert "forward" in text and "exp" in text and first.where in text
+
+
+def layer_norm(x, eps=1e-5):
+    # As Haiku's LayerNorm: statistics and normalisation in the input's dtype.
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    variance = jnp.var(x, axis=-1, keepdims=True)
+    inv = jax.lax.rsqrt(variance + eps)
+    return inv * (x - mean)
+
+
+def ln_loss(params, tokens):
+    h = params["embed"][tokens]  # small embeddings (stddev 0.02): variance ~4e-4
+    h = layer_norm(h) @ params["w"]
+    return jnp.mean(h ** 2)
+
+
+def _ln_params(stddev=0.02):
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {"embed": stddev * jax.random.normal(k1, (32, 16)),
+            "w": jax.random.normal(k2, (16, 8)) / 4.0}
+
+
+def test_layer_norm_case_names_the_backward_pass_and_the_rsqrt_line():
+    tokens = jnp.arange(12) % 32
+    params = _ln_params()
+    # The forward pass is fine: the loss agrees with float32.
+    report = jaxmp.find_nonfinite(ln_loss)(params, tokens)
+    assert bool(report)
+    assert not report.forward
+    first = _overflows(report)[0]
+    assert first.phase == "backward"
+    assert first.where.startswith(_line_of(layer_norm, "rsqrt"))
+    assert first.primitive == "div" and not first.scale_dependent  # rsqrt(v) / v
+    assert "no scale fixes it" in first.hint and "autocast=True" in first.hint
+    np.testing.assert_allclose(report.loss, report.loss_float32, rtol=1e-2)
+    # Not a matter of the scale: the same at scale 1.
+    at_one = jaxmp.find_nonfinite(ln_loss)(params, tokens, scaler_state=jaxmp.static_scaler(1.0))
+    assert _overflows(at_one)[0].where == first.where
+    # The fix the hint names removes it.
+    assert not jaxmp.find_nonfinite(ln_loss, autocast=True)(params, tokens)
+
+
+def test_report_agrees_with_a_stuck_training_step():
+    # What find_nonfinite explains is what mp_value_and_grad sees: non-finite gradients.
+    tokens = jnp.arange(12) % 32
+    _, grads, _, finite = jaxmp.mp_value_and_grad(ln_loss)(
+        _ln_params(), tokens, scaler_state=jaxmp.static_scaler(1.0))
+    assert not bool(finite)
+    _, grads, _, finite = jaxmp.mp_value_and_grad(ln_loss)(
+        _ln_params(stddev=1.0), tokens, scaler_state=jaxmp.static_scaler(1.0))
+    assert bool(finite)
+    assert not jaxmp.find_nonfinite(ln_loss)(_ln_params(stddev=1.0), tokens,
+                                             scaler_state=jaxmp.static_scaler(1.0))
+
+
+def test_clean_function_gives_an_empty_report():
+    def loss_fn(w, x):
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    w = jax.random.normal(jax.random.key(0), (4, 3))
+    x = jax.random.normal(jax.random.key(1), (5, 4))
+    report = jaxmp.find_nonfinite(loss_fn)(w, x, scaler_state=jaxmp.init_scaler(2.0**8))
+    assert not report and len(report) == 0 and report.findings == ()
+    assert "No operation" in str(report)
+    np.testing.assert_allclose(report.loss, float(loss_fn(w, x)), rtol=1e-2)
+
+
+def test_scaled_backward_overflow_is_blamed_on_the_scale():
+    def loss_fn(w):
+        return jnp.sum(w * w)  # gradient 2 * 32768 = 65536 > 65504
+
+    report = jaxmp.find_nonfinite(loss_fn)(jnp.ones(3))
+    first = _overflows(report)[0]
+    assert first.phase == "backward" and first.scale_dependent
+    assert "smaller loss scale" in first.hint
+    assert not jaxmp.find_nonfinite(loss_fn)(jnp.ones(3), scaler_state=jaxmp.static_scaler(2.0**14))
+
+
+def test_forward_underflow_is_reported_as_such():
+    def loss_fn(w, x):
+        tiny = (x * 1e-4) * w  # 1e-8 is below float16's smallest subnormal (6e-8)
+        return jnp.sum(tiny.astype(jnp.float32)) * 1e4
+
+    report = jaxmp.find_nonfinite(loss_fn)(jnp.full((3,), 1e-4), jnp.ones(3),
+                                           scaler_state=jaxmp.static_scaler(1.0))
+    assert not report  # no inf or NaN
+    (under,) = [f for f in report.findings if f.kind == "underflow" and f.phase == "forward"]
+    assert under.primitive == "mul" and under.where.startswith(_line_of(loss_fn, "tiny ="))
+    assert under.count == 3 and 0 < under.float32_min < 6e-8 and under.half_max == 0.0
+    assert "underflow" in str(report)
+
+
+def test_backward_underflow_at_a_small_scale():
+    def loss_fn(w):
+        return 1e-5 * jnp.sum(w) * 1e-3  # gradient 1e-8 per element
+
+    report = jaxmp.find_nonfinite(loss_fn)(jnp.ones(4), scaler_state=jaxmp.static_scaler(1.0))
+    (under,) = [f for f in report.findings if f.kind == "underflow"]
+    assert under.phase == "backward" and under.count == 1 and under.float32_max == pytest.approx(1e-8, rel=1e-2)
+    assert "larger loss scale" in report.backward[0].hint
+    assert not jaxmp.find_nonfinite(loss_fn)(jnp.ones(4)).findings  # 2**15 rescues it
+
+
+# Through the higher-order primitives. -------------------------------------------------
+
+def _exp_at(x):
+    return jnp.exp(x)
+
+
+@jax.custom_jvp
+def _custom_jvp_exp(x):
+    return jnp.exp(x)
+
+
+_custom_jvp_exp.defjvp(lambda p, t: (_custom_jvp_exp(p[0]), _custom_jvp_exp(p[0]) * t[0]))
+
+
+@jax.custom_vjp
+def _loud_identity(x):
+    return x
+
+
+def _loud_fwd(x):
+    return x, None
+
+
+def _loud_bwd(_, g):
+    return (g * 4096.0,)  # the custom backward rule overflows: 32768 * 4096 / 4096 ...
+
+
+_loud_identity.defvjp(_loud_fwd, _loud_bwd)
+
+
+STRUCTURES = {
+    "jit": lambda x: jax.jit(_exp_at)(x),
+    "nested_jit": lambda x: jax.jit(lambda y: jax.jit(_exp_at)(y) + 1.0)(x),
+    "scan": lambda x: jax.lax.scan(lambda c, _: (c + 4.0, _exp_at(c)), x, None, length=4)[1],
+    "cond": lambda x: jax.lax.cond(jnp.sum(x) > 0, _exp_at, jnp.sin, x),
+    "checkpoint": lambda x: jax.checkpoint(_exp_at)(x),
+    "custom_jvp": lambda x: _custom_jvp_exp(x),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STRUCTURES))
+def test_found_inside_higher_order_primitives(name):
+    structure = STRUCTURES[name]
+
+    def loss_fn(w):
+        return jnp.mean(structure(w))
+
+    # exp(11) = 59874 fits; exp(12) does not. The scan reaches 12 at its 2nd iteration.
+    w = jnp.full((3,), 8.0 if name == "scan" else 12.0)
+    report = jaxmp.find_nonfinite(loss_fn)(w, scaler_state=jaxmp.static_scaler(1.0))
+    first = _overflows(report)[0]
+    assert first.phase == "forward" and first.primitive == "exp"
+    if name != "custom_jvp":
+        assert first.where.startswith(_line_of(_exp_at, "jnp.exp"))
+    else:
+        assert first.where.startswith(HERE)
+
+
+def test_custom_vjp_backward_rule_overflow_is_backward():
+    def loss_fn(w):
+        return jnp.sum(_loud_identity(w * 2.0))
+
+    report = jaxmp.find_nonfinite(loss_fn)(jnp.ones(3), scaler_state=jaxmp.static_scaler(32.0))
+    first = _overflows(report)[0]
+    # JAX records the backward rule's operations at the line that calls the function.
+    assert first.phase == "backward" and first.primitive == "mul"
+    assert first.where.startswith(_line_of(loss_fn, "_loud_identity"))
+    assert not jaxmp.find_nonfinite(loss_fn)(jnp.ones(3), scaler_state=jaxmp.static_scaler(1.0))
+
+
+# Options, inputs and what it must not do. -----------------------------------------------
+
+def test_has_aux_argnums_and_kwargs():
+    def loss_fn(scale_arg, w, *, offset):
+        return jnp.mean(jnp.exp(w * scale_arg + offset)), {"aux": w}
+
+    report = jaxmp.find_nonfinite(loss_fn, argnums=1, has_aux=True)(
+        jnp.asarray(4.0), jnp.ones(3), offset=jnp.asarray(8.0), scaler_state=jaxmp.static_scaler(1.0))
+    assert _overflows(report)[0].primitive == "exp"
+
+
+def test_bfloat16_overflows_only_where_float32_does():
+    def loss_fn(w):
+        return jnp.mean(jnp.exp(w))
+
+    report = jaxmp.find_nonfinite(loss_fn, compute_dtype=jnp.bfloat16)(jnp.full((2,), 12.0))
+    assert not report and report.loss_scale == 1.0
+    huge = jaxmp.find_nonfinite(loss_fn, compute_dtype=jnp.bfloat16)(jnp.full((2,), 100.0))
+    assert not huge and [f.kind for f in huge.forward] == ["float32 too"]
+
+
+def test_does_not_change_the_training_step():
+    params, tokens = _ln_params(stddev=1.0), jnp.arange(12) % 32
+    scaler = jaxmp.init_scaler(initial_scale=256.0)
+    step = jax.jit(jaxmp.mp_value_and_grad(ln_loss))
+    before = step(params, tokens, scaler_state=scaler)
+    jaxmp.find_nonfinite(ln_loss)(params, tokens, scaler_state=scaler)
+    after = step(params, tokens, scaler_state=scaler)
+    for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert float(scaler.scale) == 256.0 and int(scaler.skipped_steps) == 0
+
+
+def test_bad_options_raise_clear_errors():
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        jaxmp.find_nonfinite(exp_loss, compute_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="compute_dtype must be one of"):
+        jaxmp.find_nonfinite(exp_loss, compute_dtype=jnp.int32)
+    with pytest.raises(TypeError, match="argnums"):
+        jaxmp.find_nonfinite(exp_loss, argnums="w")
+    with pytest.raises(TypeError, match="refers to argument 3"):
+        jaxmp.find_nonfinite(exp_loss, argnums=3)(jnp.ones(4), jnp.ones((2, 4)))
+    with pytest.raises(TypeError, match="The loss must be a scalar"):
+        jaxmp.find_nonfinite(lambda w: w * 2.0)(jnp.ones(3))
+    with pytest.raises(TypeError, match="pair"):
+        jaxmp.find_nonfinite(lambda w: jnp.sum(w), has_aux=True)(jnp.ones(3))
+    with pytest.raises(TypeError, match="jaxmp.ScalerState"):
+        jaxmp.find_nonfinite(exp_loss)(jnp.ones(4), jnp.ones((2, 4)), scaler_state=1.0)
+
+
+def test_under_autocast_the_line_is_still_the_users():
+    def loss_fn(w, x):
+        h = x @ w  # a float16 matrix product under autocast: 128000 > 65504
+        return jnp.mean(h)
+
+    report = jaxmp.find_nonfinite(loss_fn, autocast=True)(
+        jnp.full((64, 4), 100.0), jnp.full((2, 64), 20.0), scaler_state=jaxmp.static_scaler(1.0))
+    first = _overflows(report)[0]
+    assert (first.phase, first.primitive) == ("forward", "dot_general")
+    assert first.where.startswith(_line_of(loss_fn, "x @ w"))
+    assert "autocast=True" not in first.hint  # already on
+
+
+def test_equinox_module_with_static_leaves():
+    eqx = pytest.importorskip("equinox")
+    model = eqx.nn.MLP(4, 2, 8, 1, activation=jnp.exp, key=jax.random.key(0))  # functions as leaves
+    model = eqx.tree_at(lambda m: m.layers[0].bias, model, jnp.full((8,), 12.0))  # exp(12) > 65504
+
+    def loss_fn(model, x):
+        return jnp.mean(jax.vmap(model)(x))
+
+    report = jaxmp.find_nonfinite(loss_fn)(model, jnp.zeros((3, 4)),
+                                           scaler_state=jaxmp.static_scaler(1.0))
+    first = _overflows(report)[0]
+    assert (first.phase, first.primitive) == ("forward", "exp")
