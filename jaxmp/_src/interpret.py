@@ -66,6 +66,8 @@ from jax import lax
 from jax._src import source_info_util
 from jax.extend import core as jex_core
 
+from jaxmp._src import casting
+
 Handler = Callable[["Interpreter", Any, list], list]
 
 
@@ -341,3 +343,26 @@ HANDLERS: Mapping[str, Handler] = {
     "custom_jvp_call": _custom_jvp,
     "custom_vjp_call": _custom_vjp,
 }
+
+
+def transform(fn: Callable, run: Callable[[Any, list], list]) -> Callable:
+    """``fn`` traced to a jaxpr at each call and evaluated by ``run`` instead.
+
+    The array leaves of the arguments (traced or concrete) become the jaxpr's
+    inputs; every other leaf is closed over. ``run(closed, arrays)`` receives
+    the ``ClosedJaxpr`` and those arrays and returns the output arrays, which
+    are put back into ``fn``'s output structure.
+    """
+
+    def transformed(*args, **kwargs):
+        arrays, rest = casting.partition((args, kwargs), casting.is_array)
+
+        def flat_fn(arrays):
+            call_args, call_kwargs = casting.combine(arrays, rest)
+            return fn(*call_args, **call_kwargs)
+
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(arrays)
+        outs = run(closed, jax.tree_util.tree_leaves(arrays))
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+
+    return transformed

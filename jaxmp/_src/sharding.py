@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src import casting
+from jaxmp._src import interpret
 
 PyTree = Any
 
@@ -343,45 +344,22 @@ def _wide_gradient_gather(eqn, wide):
     return gather
 
 
-def _widen_closed(closed, wide, manual):
-    """``closed`` (a ClosedJaxpr) with its half-precision products rewritten, same signature."""
-    avals = [v.aval for v in closed.jaxpr.invars]  # keeps weak types and varying axes
-    return jax.make_jaxpr(
-        lambda *a: _eval_widened(closed.jaxpr, closed.consts, a, wide, manual))(*avals)
+class _WideGradients(interpret.Interpreter):
+    """Runs a jaxpr as written, but for the half-precision products and gathers it widens."""
 
+    def __init__(self, wide: np.dtype, manual: bool):
+        super().__init__()
+        self.wide, self.manual = wide, manual
 
-def _eval_widened(jaxpr, consts, args, wide, manual):
-    from jax.extend import core as jex_core  # pylint: disable=g-import-not-at-top
-
-    env = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        params = dict(eqn.params)
-        half = [a.dtype for a in (v.aval for v in eqn.invars)
-                if casting.is_float_dtype(a.dtype) and a.dtype in casting.HALF_DTYPES]
+    def first_order(self, eqn, invals):
+        half = [d for d in (v.aval.dtype for v in eqn.invars)
+                if casting.is_float_dtype(d) and d in casting.HALF_DTYPES]
         name = eqn.primitive.name
-        if name == "dot_general" and not manual and len(half) == 2 and half[0] == half[1]:
-            outs = [_wide_gradient_dot(eqn, wide)(*invals)]
-        elif name == "all_gather" and manual and half:
-            outs = [_wide_gradient_gather(eqn, wide)(*invals)]
-        else:
-            for key, value in eqn.params.items():  # pjit, scan, while, remat: their bodies
-                if isinstance(value, jex_core.ClosedJaxpr):
-                    params[key] = _widen_closed(value, wide, manual)
-                elif isinstance(value, jex_core.Jaxpr) and not value.constvars:  # remat
-                    closed = _widen_closed(jex_core.ClosedJaxpr(value, ()), wide, manual)
-                    if not closed.consts:
-                        params[key] = closed.jaxpr
-                elif isinstance(value, tuple) and value and all(
-                        isinstance(b, jex_core.ClosedJaxpr) for b in value):  # cond branches
-                    params[key] = tuple(_widen_closed(b, wide, manual) for b in value)
-            bind_params = eqn.primitive.get_bind_params(params)
-            outs = eqn.primitive.bind(*invals, **bind_params)
-            outs = list(outs) if eqn.primitive.multiple_results else [outs]
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+        if name == "dot_general" and not self.manual and len(half) == 2 and half[0] == half[1]:
+            return [_wide_gradient_dot(eqn, self.wide)(*invals)]
+        if name == "all_gather" and self.manual and half:
+            return [_wide_gradient_gather(eqn, self.wide)(*invals)]
+        return interpret.bind(eqn, invals)
 
 
 def widen_gradient_products(fn, reduce_dtype: Any):
@@ -398,20 +376,7 @@ def widen_gradient_products(fn, reduce_dtype: Any):
     if reduce_dtype is None or np.dtype(reduce_dtype).itemsize < 4:
         return fn  # half-precision reductions: XLA's and autodiff's already are
 
-    def widened(*args, **kwargs):
-        manual = bool(manual_axes())
-        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-        traced = [casting.is_array(x) for x in leaves]
-        arrays = [x for x, t in zip(leaves, traced) if t]
+    def run(closed, arrays):
+        return _WideGradients(reduce_dtype, bool(manual_axes())).eval_closed(closed, arrays)
 
-        def flat_fn(*arrays):
-            it = iter(arrays)
-            a, k = jax.tree_util.tree_unflatten(tree, [next(it) if t else x
-                                                       for x, t in zip(leaves, traced)])
-            return fn(*a, **k)
-
-        closed, shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
-        outs = _eval_widened(closed.jaxpr, closed.consts, arrays, reduce_dtype, manual)
-        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), outs)
-
-    return widened
+    return interpret.transform(fn, run)
