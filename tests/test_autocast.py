@@ -463,9 +463,9 @@ def test_rules_value_prints_short_and_validates():
     import inspect
     assert repr(jaxmp.AutocastRules()) == "AutocastRules()"
     rules = jaxmp.AutocastRules(full_precision=jaxmp.autocast.FULL_PRECISION | {"tanh"},
-                                follow=jaxmp.autocast.FOLLOW - {"tanh"})
+                                bounded=jaxmp.autocast.BOUNDED - {"tanh"})
     assert repr(rules) == ("AutocastRules(full_precision=FULL_PRECISION | {'tanh'}, "
-                           "follow=FOLLOW - {'tanh'})")
+                           "bounded=BOUNDED - {'tanh'})")
     signature = str(inspect.signature(jaxmp.autocast))  # what help() prints first
     assert "reduce_sum" not in signature and len(signature) < 400
     with pytest.raises(TypeError, match="primitive names"):

@@ -47,6 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax.extend import core as jex_core
+
 from jaxmp._src import casting
 from jaxmp._src import interpret
 
@@ -70,7 +72,7 @@ FULL_PRECISION = frozenset({
 # Operations that run in the narrowest floating dtype of their operands.
 FOLLOW = frozenset({
     "add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "floor", "ceil",
-    "round", "is_finite", "nextafter", "rem", "atan2", "tanh", "logistic", "sin",
+    "round", "is_finite", "nextafter", "rem", "atan2", "sin",
     "cos", "atan", "asinh", "acosh", "select_n", "clamp", "eq", "ne", "lt", "le",
     "gt", "ge", "broadcast_in_dim", "reshape", "transpose", "squeeze",
     "expand_dims", "slice", "dynamic_slice", "dynamic_update_slice", "gather",
@@ -79,6 +81,11 @@ FOLLOW = frozenset({
     "copy", "copy_p", "reduce_precision", "top_k", "split",
 })
 
+# Saturating functions: their result is bounded whatever their operand, so a
+# value kept in float32 is narrowed to the compute dtype on its way in
+# (tanh(inf) is still 1).
+BOUNDED = frozenset({"tanh", "logistic"})
+
 # Operations whose operands are independent: each keeps its own dtype.
 PASSTHROUGH = frozenset({
     "optimization_barrier", "name", "sharding_constraint", "mesh_cast", "reshard",
@@ -86,11 +93,13 @@ PASSTHROUGH = frozenset({
     "psum_scatter", "reduce_scatter", "pbroadcast", "pvary", "pcast", "sort",
 })
 
-_RULE_FIELDS = ("low_precision", "full_precision", "follow", "passthrough")
+_RULE_FIELDS = ("low_precision", "full_precision", "follow", "passthrough", "bounded")
 _DEFAULT_SETS = {"low_precision": LOW_PRECISION, "full_precision": FULL_PRECISION,
-                 "follow": FOLLOW, "passthrough": PASSTHROUGH}
+                 "follow": FOLLOW, "passthrough": PASSTHROUGH, "bounded": BOUNDED}
 _SET_NAMES = {"low_precision": "LOW_PRECISION", "full_precision": "FULL_PRECISION",
-              "follow": "FOLLOW", "passthrough": "PASSTHROUGH"}
+              "follow": "FOLLOW", "passthrough": "PASSTHROUGH", "bounded": "BOUNDED"}
+# Reductions: their results are statistics of a tensor (see ``_Autocast``).
+_REDUCTIONS = frozenset({"reduce_sum", "reduce_prod"})
 
 
 def _describe(field: str, names: frozenset) -> str:
@@ -113,11 +122,14 @@ class AutocastRules:
 
     Each field is a set of primitive names (``jax.make_jaxpr`` shows them);
     the sets are checked in this order: ``low_precision`` (run in the compute
-    dtype), ``full_precision`` (run in float32), ``follow`` (run in the
+    dtype), ``full_precision`` (run in float32), ``bounded`` (saturating
+    functions such as ``tanh``: like ``follow``, but an operand kept in
+    float32 is narrowed to the compute dtype first), ``follow`` (run in the
     narrowest dtype of their operands), ``passthrough`` (each operand keeps
     its dtype). A primitive in none of them runs as written. The defaults are
-    ``jaxmp.autocast.LOW_PRECISION``, ``FULL_PRECISION``, ``FOLLOW`` and
-    ``PASSTHROUGH``. Its ``repr`` names only what differs from them.
+    ``jaxmp.autocast.LOW_PRECISION``, ``FULL_PRECISION``, ``BOUNDED``,
+    ``FOLLOW`` and ``PASSTHROUGH``. Its ``repr`` names only what differs from
+    them.
 
     Examples:
         >>> import jaxmp
@@ -134,6 +146,7 @@ class AutocastRules:
     full_precision: frozenset = FULL_PRECISION
     follow: frozenset = FOLLOW
     passthrough: frozenset = PASSTHROUGH
+    bounded: frozenset = BOUNDED
 
     def __post_init__(self):
         for field in _RULE_FIELDS:
@@ -150,31 +163,43 @@ class AutocastRules:
         return f"AutocastRules({', '.join(changed)})"
 
 
+# What autocast knows of a floating value, beyond its dtype:
+_PLAIN = ""  # nothing: narrowed by ``follow`` operations like any value
+_KEPT = "kept"  # comes from a float32 operation: kept there by ``follow`` operations
+_STAT = "stat"  # kept, and a statistic: computed from reductions and scalars only
+_INV = "inv"  # kept, and the reciprocal of a statistic (``rsqrt(var + eps)``, ``1 / sum``)
+
+
 @jax.tree_util.register_pytree_node_class
 class _Wide:
     """A floating value *kept* wide: not narrowed by ``follow`` operations.
 
-    The interpreter's values are arrays (not kept) or ``_Wide`` nodes; being
-    a pytree node, the mark travels through loops, branches and custom
-    derivative rules as static structure.
+    The interpreter's values are arrays (plain) or ``_Wide`` nodes, whose
+    static ``kind`` says why they are kept; being a pytree node, the mark
+    travels through loops, branches and custom derivative rules as static
+    structure.
     """
 
-    __slots__ = ("x",)
+    __slots__ = ("x", "kind")
 
-    def __init__(self, x):
+    def __init__(self, x, kind=_KEPT):
         self.x = x
+        self.kind = kind
 
     def tree_flatten(self):
-        return (self.x,), None
+        return (self.x,), self.kind
 
     @classmethod
-    def tree_unflatten(cls, aux, children):
-        del aux
-        return cls(*children)
+    def tree_unflatten(cls, kind, children):
+        return cls(*children, kind)
 
 
-def _unwrap(value) -> tuple[Any, bool]:
-    return (value.x, True) if isinstance(value, _Wide) else (value, False)
+def _unwrap(value) -> tuple[Any, str]:
+    return (value.x, value.kind) if isinstance(value, _Wide) else (value, _PLAIN)
+
+
+def _wrap(x, kind: str):
+    return _Wide(x, kind) if kind else x
 
 
 def _is_half(dtype: Any) -> bool:
@@ -191,13 +216,83 @@ def _as_original(x: Any, aval: Any) -> Any:
     return _cast(x, aval.dtype) if casting.is_float_dtype(aval.dtype) else x
 
 
-class _Autocast(interpret.Interpreter):
-    """The interpreter of one ``autocast`` call: its compute dtype and rules."""
+def _narrow_safe(closed, rules: "AutocastRules") -> frozenset:
+    """The variables of ``closed`` (sub-jaxprs included) whose value must stay wide.
 
-    def __init__(self, compute_dtype: np.dtype, rules: AutocastRules):
+    A normalised value (see ``_Autocast``) is narrowed to the compute dtype
+    only where nothing downstream needs its float32 digits: a value is in
+    the returned set when it reaches, through ``follow`` and ``passthrough``
+    operations and casts, a ``full_precision`` operation (``log`` of a
+    probability, a sum), a loop or a branch, or an output of the function.
+    """
+    needed: set = set()
+
+    def walk(jaxpr, out_needed):
+        local = {v for v, n in zip(jaxpr.outvars, out_needed)
+                 if n and not isinstance(v, jex_core.Literal)}
+        for eqn in reversed(jaxpr.eqns):
+            name = eqn.primitive.name
+            outs_needed = [v in local for v in eqn.outvars]
+            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            if name in ("scan", "while", "cond"):
+                for sub in (eqn.params.get("jaxpr"), eqn.params.get("cond_jaxpr"),
+                            eqn.params.get("body_jaxpr"), *eqn.params.get("branches", ())):
+                    if sub is not None:
+                        walk(sub.jaxpr, [True] * len(sub.jaxpr.outvars))
+                ins = [True] * len(eqn.invars)
+            elif inner is not None and hasattr(getattr(inner, "jaxpr", inner), "eqns"):
+                inner = getattr(inner, "jaxpr", inner)
+                ins = walk(inner, outs_needed)
+            elif name in rules.full_precision:
+                ins = [True] * len(eqn.invars)
+            elif name in rules.low_precision or name in rules.bounded:
+                ins = [False] * len(eqn.invars)  # they narrow their operands anyway
+            elif (name in rules.follow or name in rules.passthrough
+                  or name == "convert_element_type"):
+                ins = [any(outs_needed)] * len(eqn.invars)
+            else:
+                ins = [True] * len(eqn.invars)  # run as written, in float32
+            for v, n in zip(eqn.invars, ins):
+                if n and not isinstance(v, jex_core.Literal):
+                    local.add(v)
+        needed.update(local)
+        return [v in local for v in jaxpr.invars]
+
+    walk(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    return frozenset(needed)
+
+
+class _Autocast(interpret.Interpreter):
+    """The interpreter of one traced ``autocast`` call: compute dtype, rules, narrowing.
+
+    Every floating value is plain or kept wide (``_Wide``), and a kept value
+    may be known to be a *statistic* (computed from reductions and scalars:
+    a mean, a variance, the sum of a softmax) or the reciprocal of one. A
+    *normalised* value, ``a / statistic`` or ``a * reciprocal`` with ``a``
+    not itself a statistic, is computed in float32 and then narrowed to the
+    compute dtype, unless ``keep`` (from ``_narrow_safe``) says that
+    something downstream needs it wide: layer-norm and softmax outputs go on
+    in half precision like the hand-written model's.
+    """
+
+    def __init__(self, compute_dtype: np.dtype, rules: AutocastRules, keep: frozenset = frozenset()):
         super().__init__()
         self.compute_dtype = compute_dtype
         self.rules = rules
+        self.keep = keep
+        self._casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
+
+    def cast(self, x, dtype):
+        """``x`` in ``dtype``; one conversion per value and dtype, however often it is asked for."""
+        if x.dtype == dtype:
+            return x
+        key = (id(x), np.dtype(dtype))
+        hit = self._casts.get(key)
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        out = lax.convert_element_type(x, dtype)
+        self._casts[key] = (x, out)
+        return out
 
     def loop_carry(self, values, avals):
         # Loop carries keep their dtypes, and are kept there inside the body.
@@ -214,14 +309,12 @@ class _Autocast(interpret.Interpreter):
             outs = [_unwrap(shapes[i]) for shapes in branch_shapes]
             dtypes = {x.dtype for x, _ in outs}
             dtype = dtypes.pop() if len(dtypes) == 1 else aval.dtype
-            targets.append((dtype, casting.is_float_dtype(dtype) and any(k for _, k in outs)))
+            kinds = {k for _, k in outs}
+            kind = kinds.pop() if len(kinds) == 1 else _KEPT
+            targets.append((dtype, kind if casting.is_float_dtype(dtype) else _PLAIN))
 
         def fix(outs):
-            fixed = []
-            for v, (dtype, kept) in zip(outs, targets):
-                x = _cast(_unwrap(v)[0], dtype)
-                fixed.append(_Wide(x) if kept else x)
-            return fixed
+            return [_wrap(_cast(_unwrap(v)[0], dtype), kind) for v, (dtype, kind) in zip(outs, targets)]
 
         return fix
 
@@ -229,20 +322,18 @@ class _Autocast(interpret.Interpreter):
         return _as_original(_unwrap(value)[0], aval)
 
     def from_original(self, array, like):
-        like_x, kept = _unwrap(like)
-        if not casting.is_float_dtype(like_x.dtype):
-            return None if array is None else array
-        x = _cast(array, like_x.dtype)
-        return _Wide(x) if kept else x
+        like_x, kind = _unwrap(like)
+        if array is None or not casting.is_float_dtype(like_x.dtype):
+            return array
+        return _wrap(_cast(array, like_x.dtype), kind)
 
     def first_order(self, eqn, invals):
         unwrapped = [_unwrap(v) for v in invals]
-        xs = [x for x, _ in unwrapped]
-        outs, kept = self._rule(eqn, xs, [k for _, k in unwrapped])
-        return [_Wide(x) if k else x for x, k in zip(outs, kept)]
+        outs, kinds = self._rule(eqn, [x for x, _ in unwrapped], [k for _, k in unwrapped])
+        return [_wrap(x, k) for x, k in zip(outs, kinds)]
 
-    def _rule(self, eqn, invals, inkept):
-        """The outputs of one first-order equation and whether each is kept wide."""
+    def _rule(self, eqn, invals, kinds):
+        """The outputs of one first-order equation, and the kind of each (see ``_Wide``)."""
         name = eqn.primitive.name
         rules = self.rules
         in_avals = [v.aval for v in eqn.invars]
@@ -252,60 +343,109 @@ class _Autocast(interpret.Interpreter):
 
         if not floats:
             # Integers, booleans, keys: exactly as written.
-            return interpret.bind(eqn, invals), [False] * nout
+            return interpret.bind(eqn, invals), [_PLAIN] * nout
 
         if name == "convert_element_type":
-            (x,), (k,) = invals, inkept
+            (x,), (k,) = invals, kinds
             new = eqn.params["new_dtype"]
             if in_avals[0].dtype == new:
                 # A weak-type or sharding adjustment: the value keeps its precision.
                 return [x], [k]
             if not casting.is_float_dtype(new):
-                return interpret.bind(eqn, [x]), [False]
+                return interpret.bind(eqn, [x]), [_PLAIN]
             # An explicit cast in ``fn``: respected; a cast up to float32 is kept there.
-            return interpret.bind(eqn, [x]), [np.dtype(new).itemsize >= 4]
+            wide = np.dtype(new).itemsize >= 4
+            return interpret.bind(eqn, [x]), [(k or _KEPT) if wide else _PLAIN]
 
         if name in rules.low_precision:
             cast = list(invals)
             for i in floats:
-                cast[i] = _cast(cast[i], self.compute_dtype)
+                cast[i] = self.cast(cast[i], self.compute_dtype)
             params = dict(eqn.params)
             pref = params.get("preferred_element_type")
             if pref is not None and casting.is_float_dtype(pref):
                 params["preferred_element_type"] = self.compute_dtype
-            return interpret.bind(eqn, cast, params), [False] * nout
+            return interpret.bind(eqn, cast, params), [_PLAIN] * nout
+
+        float_kinds = [kinds[i] for i in floats]
+        # Scalars (literals, eps, counts) do not stop a result from being a statistic.
+        stat_like = all(k in (_STAT, _INV) or invals[i].size == 1
+                        for i, k in zip(floats, float_kinds))
+        any_stat = any(k in (_STAT, _INV) for k in float_kinds)
 
         if name in rules.full_precision:
             cast = list(invals)
             for i in floats:
-                cast[i] = _cast(cast[i], casting.wide_dtype(in_avals[i].dtype))
+                cast[i] = self.cast(cast[i], casting.wide_dtype(in_avals[i].dtype))
             outs = interpret.bind(eqn, cast)
-            return outs, [casting.is_float_dtype(o.dtype) for o in outs]
+            if name in _REDUCTIONS or (stat_like and any_stat):
+                inverse = name == "rsqrt" or (name == "integer_pow" and eqn.params["y"] < 0)
+                flip = {_STAT: _INV, _INV: _STAT}
+                kind = float_kinds[0] if name not in _REDUCTIONS else _STAT
+                kind = flip.get(kind, _STAT) if inverse else (kind if kind in flip else _STAT)
+            else:
+                kind = _KEPT
+            return outs, [kind if casting.is_float_dtype(o.dtype) else _PLAIN for o in outs]
+
+        if name in rules.bounded:
+            # Saturating: a kept operand is narrowed (no float32 digits needed).
+            dtypes = [np.dtype(invals[i].dtype) if not kinds[i] else self.compute_dtype
+                      for i in floats]
+            target = min(dtypes, key=lambda d: d.itemsize)
+            cast = list(invals)
+            for i in floats:
+                cast[i] = self.cast(cast[i], target)
+            return interpret.bind(eqn, cast), [_PLAIN] * nout
 
         if name in rules.follow:
             dtypes = [np.dtype(invals[i].dtype) for i in floats]
-            if any(inkept[i] for i in floats):
+            kept = any(float_kinds)
+            if kept:
                 target = casting.wide_dtype(max(dtypes, key=lambda d: d.itemsize))
-                kept = True
             elif self.compute_dtype in dtypes:
-                target, kept = self.compute_dtype, False
+                target = self.compute_dtype
             else:
-                target, kept = min(dtypes, key=lambda d: d.itemsize), False
+                target = min(dtypes, key=lambda d: d.itemsize)
             cast = list(invals)
             for i in floats:
-                cast[i] = _cast(cast[i], target)
+                cast[i] = self.cast(cast[i], target)
             outs = interpret.bind(eqn, cast)
-            return outs, [kept and casting.is_float_dtype(o.dtype) for o in outs]
+            if not kept:
+                return outs, [_PLAIN] * nout
+            kind = self._follow_kind(name, eqn, invals, kinds, stat_like, any_stat)
+            if kind == _PLAIN and len(outs) == 1 and target != self.compute_dtype:
+                # A normalised value: narrowed once computed, unless needed wide downstream.
+                return [self.cast(outs[0], self.compute_dtype)], [_PLAIN]
+            return outs, [kind if casting.is_float_dtype(o.dtype) else _PLAIN for o in outs]
 
         if name in rules.passthrough:
             outs = interpret.bind(eqn, invals)
             if len(outs) == len(invals):
-                return outs, list(inkept)
-            return outs, [False] * nout
+                return outs, list(kinds)
+            return outs, [_PLAIN] * nout
 
         # No rule: run exactly as written, in the original dtypes.
         return (interpret.bind(eqn, [_as_original(x, a) for x, a in zip(invals, in_avals)]),
-                [False] * nout)
+                [_PLAIN] * nout)
+
+    def _follow_kind(self, name, eqn, invals, kinds, stat_like, any_stat):
+        """The kind of the result of a ``follow`` operation with a kept operand.
+
+        ``_PLAIN`` means: a normalised value that may be narrowed.
+        """
+        if stat_like and any_stat:
+            if name == "div" and kinds[1] in (_STAT, _INV) and invals[0].size == 1:
+                return {_STAT: _INV, _INV: _STAT}[kinds[1]]  # 1 / statistic
+            return _INV if all(k in (_INV, _PLAIN) for k in kinds) and _INV in kinds else _STAT
+        if len(eqn.outvars) != 1 or eqn.outvars[0] in self.keep:
+            return _KEPT
+        a, b = (kinds + [_PLAIN, _PLAIN])[:2]
+        if name == "div" and a not in (_STAT, _INV) and b == _STAT:
+            return _PLAIN
+        if name == "mul" and ((a == _INV and b not in (_STAT, _INV))
+                              or (b == _INV and a not in (_STAT, _INV))):
+            return _PLAIN
+        return _KEPT
 
 
 def _recompute_policy(low: frozenset) -> Callable:
@@ -317,7 +457,7 @@ def _recompute_policy(low: frozenset) -> Callable:
     saved, never recomputed.
     """
 
-    always = low | LOW_PRECISION
+    always = low | LOW_PRECISION | _REDUCTIONS  # reductions: small results, costly to redo
 
     def policy(prim, *avals, **params):
         if prim.name in always:
@@ -442,7 +582,6 @@ def autocast(
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if overrides:
         rules = dataclasses.replace(rules, **overrides)
-    interpreter = _Autocast(compute_dtype, rules)
     recompute = recompute_float32 and _is_half(compute_dtype)
 
     @functools.wraps(fn)
@@ -461,6 +600,8 @@ def autocast(
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
         out_avals = closed.out_avals
 
+        interpreter = _Autocast(compute_dtype, rules, _narrow_safe(closed, rules))
+
         def run(consts, dyn):
             outs = interpreter.eval_jaxpr(closed.jaxpr, consts, dyn)
             return [interpreter.to_original(o, a) for o, a in zip(outs, out_avals)]
@@ -477,3 +618,4 @@ autocast.LOW_PRECISION = LOW_PRECISION
 autocast.FULL_PRECISION = FULL_PRECISION
 autocast.FOLLOW = FOLLOW
 autocast.PASSTHROUGH = PASSTHROUGH
+autocast.BOUNDED = BOUNDED
