@@ -474,6 +474,113 @@ def _recompute_policy(low: frozenset) -> Callable:
     return policy
 
 
+def _float32_regions(jaxpr) -> list[list[int]]:
+    """The float32 regions of the autocast program ``jaxpr``, as lists of equation indices.
+
+    A region is a connected group of first-order equations with float32 (or
+    wider) outputs, connected through float32 values: a layer-norm's
+    statistics and normalisation, a softmax's exponentials and sums, the
+    float32 part of a GELU. A region is dropped when an equation outside it
+    sits between its equations and feeds back into it (it could then not run
+    as one unit).
+    """
+    def wide_out(eqn):
+        return any(casting.is_float_dtype(v.aval.dtype) and np.dtype(v.aval.dtype).itemsize >= 4
+                   for v in eqn.outvars)
+
+    member = [eqn.primitive.name not in interpret.HANDLERS and wide_out(eqn)
+              and not any(isinstance(p, (jex_core.Jaxpr, jex_core.ClosedJaxpr))
+                          for p in eqn.params.values())
+              for eqn in jaxpr.eqns]
+    producer = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
+    parent = list(range(len(jaxpr.eqns)))
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, eqn in enumerate(jaxpr.eqns):
+        if not member[i]:
+            continue
+        for v in eqn.invars:
+            j = producer.get(v) if not isinstance(v, jex_core.Literal) else None
+            if j is not None and member[j] and np.dtype(v.aval.dtype).itemsize >= 4:
+                parent[find(i)] = find(j)
+    groups: dict[int, list[int]] = {}
+    for i in range(len(jaxpr.eqns)):
+        if member[i]:
+            groups.setdefault(find(i), []).append(i)
+    regions = []
+    for idx in groups.values():
+        inside, last = set(idx), idx[-1]
+        outs = {v for i in idx for v in jaxpr.eqns[i].outvars}
+        feeds_back = any(
+            j not in inside and any(v in outs for v in jaxpr.eqns[j].invars
+                                    if not isinstance(v, jex_core.Literal))
+            for j in range(idx[0], last))
+        if len(idx) > 1 and not feeds_back:
+            regions.append(idx)
+    return regions
+
+
+def _eval_with_regions(closed, args, policy) -> list:
+    """Evaluates ``closed`` with each float32 region in its own ``jax.checkpoint``.
+
+    Each region's float32 values are then recomputed in the backward pass
+    where that region's derivative is taken, one region at a time, rather
+    than all at the start of the backward pass.
+    """
+    jaxpr = closed.jaxpr
+    regions = _float32_regions(jaxpr)
+    region_of = {i: r for r in regions for i in r}
+    used_after: dict[int, set] = {}
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
+    env.update(zip(jaxpr.invars, args))
+    outside_uses = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, jex_core.Literal):
+                used_after.setdefault(id(v), set()).add(i)
+
+    def read(v):
+        return jnp.asarray(v.val, v.aval.dtype) if isinstance(v, jex_core.Literal) else env[v]
+
+    for i, eqn in enumerate(jaxpr.eqns):
+        region = region_of.get(i)
+        if region is None:
+            for v, x in zip(eqn.outvars, interpret.bind(eqn, [read(v) for v in eqn.invars])):
+                env[v] = x
+            continue
+        if i != region[-1]:
+            continue
+        inside = set(region)
+        produced = [v for j in region for v in jaxpr.eqns[j].outvars]
+        produced_set = set(produced)
+        inputs = list(dict.fromkeys(
+            v for j in region for v in jaxpr.eqns[j].invars
+            if not isinstance(v, jex_core.Literal) and v not in produced_set))
+        outputs = [v for v in produced
+                   if v in outside_uses or used_after.get(id(v), set()) - inside]
+
+        def run_region(*xs, region=region, inputs=inputs, outputs=outputs):
+            local = dict(zip(inputs, xs))
+
+            def get(v):
+                return jnp.asarray(v.val, v.aval.dtype) if isinstance(v, jex_core.Literal) else local[v]
+
+            for j in region:
+                e = jaxpr.eqns[j]
+                for v, x in zip(e.outvars, interpret.bind(e, [get(v) for v in e.invars])):
+                    local[v] = x
+            return [local[v] for v in outputs]
+
+        outs = jax.checkpoint(run_region, policy=policy)(*[env[v] for v in inputs])
+        env.update(zip(outputs, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
 def autocast(
     fn: Callable,
     compute_dtype: Any = jnp.bfloat16,
@@ -601,14 +708,18 @@ def autocast(
         out_avals = closed.out_avals
 
         interpreter = _Autocast(compute_dtype, rules, _narrow_safe(closed, rules))
+        consts = list(closed.consts)
 
-        def run(consts, dyn):
-            outs = interpreter.eval_jaxpr(closed.jaxpr, consts, dyn)
+        def run(*flat):
+            outs = interpreter.eval_jaxpr(closed.jaxpr, flat[:len(consts)], flat[len(consts):])
             return [interpreter.to_original(o, a) for o, a in zip(outs, out_avals)]
 
         if recompute:
-            run = jax.checkpoint(run, policy=_recompute_policy(rules.low_precision))
-        outs = run(list(closed.consts), dyn)
+            program = jax.make_jaxpr(run)(*consts, *dyn)
+            outs = _eval_with_regions(
+                program, [*consts, *dyn], _recompute_policy(rules.low_precision))
+        else:
+            outs = run(*consts, *dyn)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 
     return wrapped
