@@ -9,6 +9,8 @@ primitive names:
 * ``full_precision`` (sums, products, cumulative sums, exp/log and friends,
   powers, square roots, ...): floating operands are cast up to float32 and the
   result is float32;
+* ``bounded`` (tanh, logistic): like ``follow``, but a float32 operand is
+  narrowed to the compute dtype first (the result is bounded anyway);
 * ``follow`` (elementwise arithmetic, comparisons, reshapes, slices, max/min
   reductions, ...): operands are brought to one common dtype, the narrowest of
   them, so a float32 bias, scale or positional embedding added to a
@@ -24,9 +26,14 @@ one, and every loop carry) is *kept* in float32: an operation that mixes it
 with a half-precision value runs in float32 rather than narrowing it, because
 such values (a large sum before a division, a variance, the normaliser of a
 softmax) are exactly the ones that overflow or lose their digits in half
-precision. They are narrowed only where the precision is chosen explicitly:
-at the operands of a matrix product, by an explicit cast in ``fn``, and at
-the outputs of ``fn``, which keep the dtypes ``fn`` gives them.
+precision. They are narrowed at the operands of a matrix product, at a
+``bounded`` function, by an explicit cast in ``fn``, at the outputs of
+``fn`` (which keep the dtypes ``fn`` gives them), and once normalised
+(divided by a statistic, or multiplied by the reciprocal of one: a softmax,
+a layer norm) unless something downstream needs their float32 digits
+(``_narrow_safe``). With ``recompute_float32`` each connected float32 region
+is recomputed in the backward pass instead of saved
+(``_eval_with_regions``).
 
 Integer, boolean and PRNG-key values are never touched. Nested ``jit``,
 ``scan``, ``while_loop``, ``cond``, ``checkpoint``, ``custom_jvp`` and
@@ -591,12 +598,13 @@ def autocast(
     follow: Iterable[str] | None = None,
     passthrough: Iterable[str] | None = None,
     recompute_float32: bool = True,
+    bounded: Iterable[str] | None = None,
 ) -> Callable:
     """Runs ``fn`` with a precision chosen per operation, like ``torch.autocast``.
 
     ``fn`` is written in float32 and is not changed. Every call traces it to a
-    jaxpr and evaluates that jaxpr again with these rules (the rule sets are
-    sets of primitive names, checked in this order):
+    jaxpr and evaluates that jaxpr again with these rules (``rules``, a
+    :class:`jaxmp.AutocastRules` of primitive names, checked in this order):
 
     * ``low_precision`` (``dot_general``, ``conv_general_dilated``): operands
       in ``compute_dtype``, result in ``compute_dtype``;
@@ -604,42 +612,57 @@ def autocast(
       powers, ``sqrt``, ``rsqrt``, ``erf``, ...): floating operands in float32,
       result in float32. Softmax, log-softmax, ``logsumexp`` and the mean and
       variance of a normalisation are made of these, so they run in float32;
-    * ``follow`` (arithmetic, comparisons, ``tanh``, reshapes, slices,
-      ``max``...): the narrowest dtype of the operands, so a float32 bias,
-      scale or positional embedding meeting a half-precision activation is
-      cast down. Values that come out of a float32 operation are not
-      narrowed here: an operation mixing one with a half-precision value runs
-      in float32. They are narrowed only at the operands of a matrix product,
-      by explicit casts in ``fn`` and at the outputs of ``fn``;
+    * ``bounded`` (``tanh``, ``logistic``): saturating functions; like
+      ``follow``, except that a float32 operand is narrowed to
+      ``compute_dtype`` first (``tanh(inf)`` is still 1);
+    * ``follow`` (arithmetic, comparisons, reshapes, slices, ``max``...): the
+      narrowest dtype of the operands, so a float32 bias, scale or positional
+      embedding meeting a half-precision activation is cast down;
     * ``passthrough`` (collectives, ``sort``, sharding annotations): each
       operand keeps its dtype;
     * any other primitive runs as written, in its original dtypes.
 
-    Integer, boolean and key values are never touched; loop carries keep
-    their dtypes; nested ``jit``, ``scan``, ``while_loop``, ``cond``,
-    ``checkpoint``, ``custom_jvp`` and ``custom_vjp`` are handled inside (a
-    custom derivative rule is kept and evaluated in the original dtypes, so
-    e.g. ``jax.nn.relu`` keeps its gradient at 0).
+    What stays in float32: the result of a ``full_precision`` operation is
+    *kept* there, and a ``follow`` operation that mixes a kept value with a
+    half-precision one runs in float32 (``x - mean``, a sum before a
+    division): these are the values that overflow or lose their digits in
+    half precision. A kept value is narrowed back to ``compute_dtype`` at the
+    operands of a matrix product, at a ``bounded`` function, by an explicit
+    cast in ``fn``, at the outputs of ``fn`` (which keep the dtypes ``fn``
+    gives them), and once it is *normalised*: divided by a statistic (a value
+    computed from sums and scalars only, such as a softmax's sum or
+    ``sqrt(var + eps)``) or multiplied by the reciprocal of one
+    (``rsqrt(var + eps)``). The normalisation itself is computed in float32;
+    its result, of order one, goes on in half precision, as in a
+    hand-written half-precision model, unless something downstream needs its
+    float32 digits: a ``full_precision`` operation (``log`` of a
+    probability), a loop, a branch or an output of ``fn``. So layer-norm and
+    softmax outputs, and everything after a ``tanh``, are half precision;
+    the statistics, ``x - mean`` and exponentials of a softmax are float32.
+
+    What it costs: the float32 values are twice the size of half-precision
+    ones, the boundaries are conversions, and a float32 normalisation has a
+    float32 derivative in the backward pass. Integer, boolean and key values
+    are never touched; loop carries keep their dtypes; nested ``jit``,
+    ``scan``, ``while_loop``, ``cond``, ``checkpoint``, ``custom_jvp`` and
+    ``custom_vjp`` are handled inside (a custom derivative rule is kept and
+    evaluated in the original dtypes, so e.g. ``jax.nn.relu`` keeps its
+    gradient at 0).
+
+    With ``recompute_float32=True`` (the default for a half-precision
+    ``compute_dtype``) the float32 intermediates are not kept for the
+    backward pass: each connected float32 region (a layer norm, a softmax)
+    gets its own ``jax.checkpoint`` that keeps only its half-precision values
+    and the results of its reductions, and recomputes the rest where its
+    derivative is taken. The recomputed work is conversions and elementwise
+    operations, never a matrix product: what is kept for the backward pass
+    is then all half precision, for some more work in the backward pass.
+    ``recompute_float32=False`` keeps the float32 intermediates instead.
 
     The result is an ordinary function: ``jit``, ``vmap`` and ``grad`` work on
     it, its outputs have the dtypes ``fn`` gives them, gradients with respect
     to float32 inputs are float32 and the backward pass of a half-precision
     matrix product runs in half precision.
-
-    What is kept in float32, and what it costs: the outputs of
-    ``full_precision`` operations and what is computed from them (a softmax
-    normaliser, a variance) until a matrix product, an explicit cast or the
-    output of ``fn`` narrows them; loop carries of float32 loops. These
-    values are twice the size of half-precision ones, and every change of
-    precision is a conversion XLA has to run.
-
-    With ``recompute_float32=True`` (the default for a half-precision
-    ``compute_dtype``) those float32 intermediates are not kept for the
-    backward pass: they are recomputed there from the half-precision values
-    around them (``jax.checkpoint`` with a policy that saves only
-    half-precision values and matrix products). The recomputed work is
-    elementwise operations and reductions, never a matrix product: less
-    memory kept for the backward pass, more time in it.
 
     Args:
         fn: any JAX function of arrays and pytrees of arrays; non-array
@@ -657,7 +680,9 @@ def autocast(
         passthrough: if given, replaces ``rules.passthrough`` (primitive
             names whose operands keep their own dtypes).
         recompute_float32: recompute float32 intermediates in the backward
-            pass instead of saving them.
+            pass instead of saving them (see above).
+        bounded: if given, replaces ``rules.bounded`` (saturating functions
+            whose float32 operands are narrowed).
 
     The default sets are also attributes of this function
     (``jaxmp.autocast.FULL_PRECISION``...); to change a rule, pass a new set,
@@ -685,7 +710,7 @@ def autocast(
     if not isinstance(rules, AutocastRules):
         raise TypeError(f"rules must be a jaxmp.AutocastRules, got {type(rules).__name__}.")
     overrides = {"low_precision": low_precision, "full_precision": full_precision,
-                 "follow": follow, "passthrough": passthrough}
+                 "follow": follow, "passthrough": passthrough, "bounded": bounded}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if overrides:
         rules = dataclasses.replace(rules, **overrides)
