@@ -142,10 +142,36 @@ def _jaxmp_variant(loss_fn, optimizer, initial_scale, growth_interval, *, autoca
 
 
 def _autocast_no_recompute_variant(loss_fn, optimizer, initial_scale, growth_interval) -> Variant:
-    """``autocast`` with ``recompute_float32=False``: float32 intermediates are saved, not recomputed."""
+    """``jaxmp.autocast(..., recompute_float32=False)`` with jaxmp's loss-scaling functions.
+
+    ``mp_value_and_grad(autocast=True)`` always recomputes, so this step is
+    written with ``jaxmp.scale``/``unscale``/``all_finite``/``adjust``.
+    """
     fn = jaxmp.autocast(loss_fn, compute_dtype=jnp.float16, recompute_float32=False)
-    base = _jaxmp_variant(lambda *a: fn(*a), optimizer, initial_scale, growth_interval)
-    return dataclasses.replace(base, name="autocast_no_recompute", loss=fn)
+
+    def init(params):
+        scaler = jaxmp.init_scaler(initial_scale=initial_scale, growth_interval=growth_interval)
+        return {"params": params, "opt_state": optimizer.init(params), "scaler": scaler}
+
+    def value_and_grads(state, images, labels):
+        def scaled(p):
+            loss = fn(p, images, labels)
+            return jaxmp.scale(state["scaler"], loss), loss
+
+        (_, loss), g = jax.value_and_grad(scaled, has_aux=True)(state["params"])
+        return loss, jaxmp.unscale(state["scaler"], g)
+
+    def grads(state, images, labels):
+        return value_and_grads(state, images, labels)[1]
+
+    def step(state, images, labels):
+        loss, g = value_and_grads(state, images, labels)
+        finite = jaxmp.all_finite(g)
+        params, opt_state = jaxmp.optimizer_update(state["params"], optimizer, state["opt_state"], g, finite)
+        return {"params": params, "opt_state": opt_state,
+                "scaler": jaxmp.adjust(state["scaler"], finite)}, loss
+
+    return Variant("autocast_no_recompute", init, grads, step, fn)
 
 
 def _hand_written_variant(loss_fn, optimizer, initial_scale, growth_interval) -> Variant:
