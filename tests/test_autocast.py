@@ -561,3 +561,14 @@ def test_tanh_of_a_float32_value_runs_in_half_precision():
     # tanh(inf) is 1: a float32 argument beyond float16's range saturates correctly.
     big = jnp.float32(1e6)
     assert float(jaxmp.autocast(lambda a, b: jnp.tanh(jnp.exp(a) * b), F16)(big / 1e5, big)) == 1.0
+
+
+def test_a_value_cast_inside_a_loop_body_and_outside_it():
+    # Conversions are shared within one jaxpr evaluation, never across traces.
+    def f(w, xs):
+        _, ys = jax.lax.scan(lambda c, x: (c, x @ w), 0.0, xs)  # w cast inside the body
+        return jnp.sum(ys) + jnp.sum(xs[0] @ w)  # and outside
+
+    w, xs = jnp.full((4, 4), 0.25), jnp.ones((3, 2, 4))
+    _assert_close(jaxmp.autocast(f, F16)(w, xs), f(w, xs), rtol=1e-3)
+    _assert_close(jax.grad(jaxmp.autocast(f, F16))(w, xs), jax.grad(f)(w, xs), rtol=1e-3)

@@ -289,8 +289,18 @@ class _Autocast(interpret.Interpreter):
         self.keep = keep
         self._casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
 
+    def eval_jaxpr(self, jaxpr, consts, args):
+        # One cache of conversions per jaxpr evaluation: everything it holds
+        # was made in the trace that evaluation runs in (a loop body or a
+        # custom rule, traced later, gets its own).
+        outer, self._casts = self._casts, {}
+        try:
+            return super().eval_jaxpr(jaxpr, consts, args)
+        finally:
+            self._casts = outer
+
     def cast(self, x, dtype):
-        """``x`` in ``dtype``; one conversion per value and dtype, however often it is asked for."""
+        """``x`` in ``dtype``; one conversion per value and dtype in one jaxpr evaluation."""
         if x.dtype == dtype:
             return x
         key = (id(x), np.dtype(dtype))
