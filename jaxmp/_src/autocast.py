@@ -114,7 +114,7 @@ def _describe(field: str, names: frozenset) -> str:
     default = _DEFAULT_SETS[field]
     added, removed = sorted(names - default), sorted(default - names)
     if len(added) + len(removed) > 6:
-        return f"<{len(names)} names>"
+        return f"<{len(names)} name{'' if len(names) == 1 else 's'}>"
     text = _SET_NAMES[field]
     if added:
         text += " | {" + ", ".join(repr(n) for n in added) + "}"
