@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Params = dict[str, Any]
 
@@ -169,3 +170,79 @@ def vit_loss(params: Params, images: jax.Array, labels: jax.Array, config: ViTCo
     log_probs = jax.nn.log_softmax(vit_apply(params, images, config), axis=-1)
     picked = jnp.take_along_axis(log_probs, labels[:, None].astype(jnp.int32), axis=-1)
     return -jnp.mean(picked)
+
+
+# --- The same ViT as a user would write it in plain float32 ------------------------------
+#
+# Same parameters and shapes as ``vit_apply``, but written without any thought
+# for mixed precision: layer norm and softmax by hand (no max subtraction, no
+# fused statistics) and the attention scale as a NumPy ``float64`` scalar, the
+# type-promotion trap of the paper: ``q @ k / np.sqrt(d)`` turns float16
+# logits back into float32 (float64 where x64 is enabled), so casting the
+# inputs of this model to half precision leaves the attention in float32.
+# It runs under standard promotion (the NumPy scalar is not allowed under
+# strict promotion, which is the point).
+
+
+def _plain_layer_norm(p: Params, x: jax.Array) -> jax.Array:
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean((x - mean) ** 2, axis=-1, keepdims=True)
+    return (x - mean) / jnp.sqrt(var + 1e-6) * p["scale"] + p["bias"]
+
+
+def _plain_softmax(x: jax.Array) -> jax.Array:
+    e = jnp.exp(x)
+    return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
+def _plain_attention(p: Params, x: jax.Array, heads: int) -> jax.Array:
+    batch, tokens, width = x.shape
+    head_dim = width // heads
+    qkv = _dense(p["qkv"], x).reshape(batch, tokens, 3, heads, head_dim)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(head_dim)  # a NumPy float64 scalar
+    out = jnp.einsum("bhqk,bkhd->bqhd", _plain_softmax(logits), v)
+    return _dense(p["out"], out.reshape(batch, tokens, width))
+
+
+def plain_vit_apply(params: Params, images: jax.Array, config: ViTConfig) -> jax.Array:
+    """The ViT of :func:`vit_apply` written naively in float32 (see above); float32 logits.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> params = init_vit(jax.random.key(0), TINY_VIT)
+        >>> plain_vit_apply(params, jnp.zeros((2, 8, 8, 3)), TINY_VIT).shape
+        (2, 10)
+    """
+    with jax.numpy_dtype_promotion("standard"):
+        x = _dense(params["embed"], _patchify(images, config.patch_size))
+        cls = jnp.broadcast_to(params["cls"], (x.shape[0], 1, config.width))
+        x = jnp.concatenate([cls.astype(x.dtype), x], axis=1) + params["pos"]
+        for block in params["blocks"]:
+            x = x + _plain_attention(block, _plain_layer_norm(block["norm1"], x), config.heads)
+            h = jax.nn.gelu(_dense(block["mlp1"], _plain_layer_norm(block["norm2"], x)))
+            x = x + _dense(block["mlp2"], h)
+        x = _plain_layer_norm(params["norm"], x[:, 0])
+        logits = _dense(params["head"], x)
+        return logits
+
+
+def plain_vit_loss(params: Params, images: jax.Array, labels: jax.Array, config: ViTConfig) -> jax.Array:
+    """Cross-entropy of :func:`plain_vit_apply`, with a hand-written log-softmax.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> params = init_vit(jax.random.key(0), TINY_VIT)
+        >>> loss = plain_vit_loss(params, jnp.zeros((2, 8, 8, 3)), jnp.zeros((2,), jnp.int32), TINY_VIT)
+        >>> loss.shape, loss.dtype
+        ((), dtype('float32'))
+    """
+    with jax.numpy_dtype_promotion("standard"):
+        logits = plain_vit_apply(params, images, config)
+        log_z = jnp.log(jnp.sum(jnp.exp(logits), axis=-1, keepdims=True))
+        picked = jnp.take_along_axis(logits - log_z, labels[:, None].astype(jnp.int32), axis=-1)
+        return -jnp.mean(picked)
+
+
+#: The two benchmark models: loss functions ``(params, images, labels, config)``.
+LOSSES = {"vit": vit_loss, "plain_vit": plain_vit_loss}

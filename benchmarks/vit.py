@@ -69,6 +69,11 @@ DEFAULT_BATCH_SIZES = {"tiny": (8, 16), "desktop": (64, 128, 256), "base": (32, 
 INITIAL_SCALE = 2.0**12
 GROWTH_INTERVAL = 2000
 LEARNING_RATE = 1e-3
+# The large-activation case (``large_activation_check``): images times 1000
+# and every layer-norm scale times 4. float32 handles it; in float16 the
+# layer-norm variances overflow and the normalised activations collapse.
+LARGE_IMAGE_SCALE = 1000.0
+LARGE_NORM_SCALE = 4.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +139,39 @@ def _jaxmp_variant(loss_fn, optimizer, initial_scale, growth_interval, *, autoca
     else:
         differentiated = jaxmp.cast_function(loss_fn, jnp.float16, return_dtype=jnp.float32)
     return Variant("autocast" if autocast else "jaxmp", init, grads, step, differentiated)
+
+
+def _autocast_no_recompute_variant(loss_fn, optimizer, initial_scale, growth_interval) -> Variant:
+    """``jaxmp.autocast(..., recompute_float32=False)`` with jaxmp's loss-scaling functions.
+
+    ``mp_value_and_grad(autocast=True)`` always recomputes, so this step is
+    written with ``jaxmp.scale``/``unscale``/``all_finite``/``adjust``.
+    """
+    fn = jaxmp.autocast(loss_fn, compute_dtype=jnp.float16, recompute_float32=False)
+
+    def init(params):
+        scaler = jaxmp.init_scaler(initial_scale=initial_scale, growth_interval=growth_interval)
+        return {"params": params, "opt_state": optimizer.init(params), "scaler": scaler}
+
+    def value_and_grads(state, images, labels):
+        def scaled(p):
+            loss = fn(p, images, labels)
+            return jaxmp.scale(state["scaler"], loss), loss
+
+        (_, loss), g = jax.value_and_grad(scaled, has_aux=True)(state["params"])
+        return loss, jaxmp.unscale(state["scaler"], g)
+
+    def grads(state, images, labels):
+        return value_and_grads(state, images, labels)[1]
+
+    def step(state, images, labels):
+        loss, g = value_and_grads(state, images, labels)
+        finite = jaxmp.all_finite(g)
+        params, opt_state = jaxmp.optimizer_update(state["params"], optimizer, state["opt_state"], g, finite)
+        return {"params": params, "opt_state": opt_state,
+                "scaler": jaxmp.adjust(state["scaler"], finite)}, loss
+
+    return Variant("autocast_no_recompute", init, grads, step, fn)
 
 
 def _hand_written_variant(loss_fn, optimizer, initial_scale, growth_interval) -> Variant:
@@ -269,7 +307,7 @@ def available_variants() -> list[str]:
     """Names of the variants that can run here, in reporting order."""
     names = ["float32", "jaxmp", "hand_written"]
     if hasattr(jaxmp, "autocast"):
-        names.append("autocast")
+        names += ["autocast", "autocast_no_recompute"]
     if _installed("jmp"):
         names.append("jmp")
     if _installed("mpx"):
@@ -283,9 +321,14 @@ def make_variant(
     *,
     initial_scale: float = INITIAL_SCALE,
     growth_interval: int = GROWTH_INTERVAL,
+    model: str = "vit",
 ) -> Variant:
-    """Builds the variant ``name`` for the ViT ``config``, with Adam."""
-    loss_fn = functools.partial(models.vit_loss, config=config)
+    """Builds the variant ``name`` for the ViT ``config``, with Adam.
+
+    ``model`` is a key of ``models.LOSSES``: ``"vit"`` (written for any
+    dtype) or ``"plain_vit"`` (naive float32 code, see ``models``).
+    """
+    loss_fn = functools.partial(models.LOSSES[model], config=config)
     optimizer = optax.adam(LEARNING_RATE)
     args = (loss_fn, optimizer, initial_scale, growth_interval)
     if name == "float32":
@@ -294,6 +337,8 @@ def make_variant(
         return _jaxmp_variant(*args)
     if name == "autocast":
         return _jaxmp_variant(*args, autocast=True)
+    if name == "autocast_no_recompute":
+        return _autocast_no_recompute_variant(*args)
     if name == "hand_written":
         return _hand_written_variant(*args)
     if name == "jmp":
@@ -370,7 +415,8 @@ def _compile_all(lowered: dict[str, Any], workers: int) -> dict[str, Any]:
 
 
 def grad_norm_probe(
-    config: models.ViTConfig, variant_names, batch_size: int, seed: int = 0, workers: int = 1
+    config: models.ViTConfig, variant_names, batch_size: int, seed: int = 0, workers: int = 1,
+    model: str = "vit",
 ) -> dict[str, Any]:
     """Gradient norm of each variant relative to float32, on a step where the scale grows.
 
@@ -384,10 +430,11 @@ def grad_norm_probe(
     images, labels = random_batch(jax.random.key(seed + 1), config, batch_size)
 
     def state_for(name, initial_scale):
-        return make_variant(name, config, initial_scale=initial_scale, growth_interval=1).init(params)
+        return make_variant(name, config, initial_scale=initial_scale, growth_interval=1,
+                            model=model).init(params)
 
     lowered = {
-        name: jax.jit(make_variant(name, config, growth_interval=1).grads).lower(
+        name: jax.jit(make_variant(name, config, growth_interval=1, model=model).grads).lower(
             state_for(name, 1.0), images, labels
         )
         for name in dict.fromkeys(["float32", "hand_written", *variant_names])
@@ -405,6 +452,24 @@ def grad_norm_probe(
         for name in variant_names
     }
     return {"batch_size": batch_size, "initial_scale": probe_scale, "grad_norm_ratio_vs_float32": ratios}
+
+
+def large_activation_check(
+    config: models.ViTConfig, variants: dict[str, Variant], batch_size: int = 4, seed: int = 0,
+) -> dict[str, float]:
+    """Each variant's loss (as it differentiates it) on the large-activation case.
+
+    Images are multiplied by ``LARGE_IMAGE_SCALE`` and layer-norm scales by
+    ``LARGE_NORM_SCALE``: the float32 loss is finite, while a float16
+    layer-norm variance overflows (``inf``, or a finite but wrong loss where
+    the normalised activations collapse to the bias). Compare with float32.
+    """
+    params = models.init_vit(jax.random.key(seed), config)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x * LARGE_NORM_SCALE if "scale" in jax.tree_util.keystr(path) else x, params)
+    images, labels = random_batch(jax.random.key(seed + 1), config, batch_size)
+    return {name: float(jax.jit(v.loss)(params, LARGE_IMAGE_SCALE * images, labels))
+            for name, v in variants.items()}
 
 
 def _memory_stats(device) -> dict[str, Any]:
@@ -488,6 +553,9 @@ def run(
     seed: int = 0,
     workers: int | None = None,
     partial_path: str | None = None,
+    model_names=("vit",),
+    probe: bool = True,
+    check_finite: bool = True,
 ) -> dict[str, Any]:
     """Runs the benchmark; returns ``{"machine": ..., "records": [...], "probe": {...}}``.
 
@@ -500,61 +568,69 @@ def run(
     machine = machine_info()
     device = jax.devices()[0]
     records, probes = [], {}
-    total = sum(len(batch_sizes[c]) * len(variant_names) for c in config_names)
+    total = sum(len(batch_sizes[c]) * len(variant_names) for c in config_names) * len(model_names)
     bar = tqdm(total=total, desc="vit benchmark", unit="run", disable=not progress, file=sys.stderr)
     for config_name in config_names:
         config = CONFIGS[config_name]
         dataset, dataset_size = DATASETS[config_name]
         timed = config_name != "base" or time_base
-        variants = {name: make_variant(name, config) for name in variant_names}
         init = functools.partial(models.init_vit, config=config)
         params_shape = jax.eval_shape(init, jax.random.key(seed))
         params = init(jax.random.key(seed)) if timed else None
-        for batch_size in batch_sizes[config_name]:
-            x_shape, y_shape = batch_shapes(config, batch_size)
-            rows, lowered = {}, {}
-            for name, variant in variants.items():
-                bar.set_postfix_str(f"{config_name} bs={batch_size} {name}: lowering")
-                row, lowered[name] = _static_figures(variant, params_shape, x_shape, y_shape, machine["backend"])
-                rows[name] = {"config": config_name, "dataset": dataset, "batch_size": batch_size, **row}
-            bar.set_postfix_str(f"{config_name} bs={batch_size}: compiling")
-            compiled = _compile_all(lowered, workers)
-            for name, row in rows.items():
-                _compiled_figures(row, compiled[name])
-                row["step_time_s"] = row["epoch_time_s"] = None
-            if timed:
-                bar.set_postfix_str(f"{config_name} bs={batch_size}: timing")
-                batch = random_batch(jax.random.key(seed + 1), config, batch_size)
-                states = {name: v.init(jax.tree_util.tree_map(jnp.copy, params)) for name, v in variants.items()}
-                times = _time_steps(compiled, states, batch, repeats, warmup)
-                del states
+        for model in model_names:
+            variants = {name: make_variant(name, config, model=model) for name in variant_names}
+            large = large_activation_check(config, variants, seed=seed) if check_finite else {}
+            for batch_size in batch_sizes[config_name]:
+                x_shape, y_shape = batch_shapes(config, batch_size)
+                rows, lowered = {}, {}
+                for name, variant in variants.items():
+                    bar.set_postfix_str(f"{config_name} {model} bs={batch_size} {name}: lowering")
+                    row, lowered[name] = _static_figures(variant, params_shape, x_shape, y_shape,
+                                                         machine["backend"])
+                    rows[name] = {"config": config_name, "model": model, "dataset": dataset,
+                                  "batch_size": batch_size, **row,
+                                  "large_activation_loss": large.get(name),
+                                  "large_activation_loss_float32": large.get("float32")}
+                bar.set_postfix_str(f"{config_name} {model} bs={batch_size}: compiling")
+                compiled = _compile_all(lowered, workers)
                 for name, row in rows.items():
-                    row["step_times_s"] = times[name]
-                    row["step_time_s"] = statistics.median(times[name])
-                    row["epoch_time_s"] = row["step_time_s"] * math.ceil(dataset_size / batch_size)
-                peak = _memory_stats(device).get("peak_bytes_in_use")
-                if peak is not None:
-                    # The process's peak so far: for a per-variant figure run
-                    # one variant and one batch size per process (--variants).
-                    for row in rows.values():
-                        row["measured_peak_bytes"] = int(peak)
-            del compiled, lowered
-            _relative_figures(rows)
-            for row in rows.values():
-                records.append(row)
-                bar.update(1)
-            if partial_path:
-                with open(partial_path, "w", encoding="utf-8") as f:
-                    json.dump({"machine": machine, "records": records, "probe": probes}, f, indent=1)
-        if timed and "float32" in variant_names:
-            bar.set_postfix_str(f"{config_name}: gradient-norm probe")
-            probes[config_name] = grad_norm_probe(
-                config, variant_names, min(batch_sizes[config_name]), seed, workers
-            )
-            ratios = probes[config_name]["grad_norm_ratio_vs_float32"]
-            for row in records:
-                if row["config"] == config_name:
-                    row["grad_norm_ratio_vs_float32"] = ratios[row["variant"]]
+                    _compiled_figures(row, compiled[name])
+                    row["step_time_s"] = row["epoch_time_s"] = None
+                if timed:
+                    bar.set_postfix_str(f"{config_name} {model} bs={batch_size}: timing")
+                    batch = random_batch(jax.random.key(seed + 1), config, batch_size)
+                    states = {name: v.init(jax.tree_util.tree_map(jnp.copy, params))
+                              for name, v in variants.items()}
+                    times = _time_steps(compiled, states, batch, repeats, warmup)
+                    del states
+                    for name, row in rows.items():
+                        row["step_times_s"] = times[name]
+                        row["step_time_s"] = statistics.median(times[name])
+                        row["epoch_time_s"] = row["step_time_s"] * math.ceil(dataset_size / batch_size)
+                    peak = _memory_stats(device).get("peak_bytes_in_use")
+                    if peak is not None:
+                        # The process's peak so far: for a per-variant figure run
+                        # one variant and one batch size per process (--variants).
+                        for row in rows.values():
+                            row["measured_peak_bytes"] = int(peak)
+                del compiled, lowered
+                _relative_figures(rows)
+                for row in rows.values():
+                    records.append(row)
+                    bar.update(1)
+                if partial_path:
+                    with open(partial_path, "w", encoding="utf-8") as f:
+                        json.dump({"machine": machine, "records": records, "probe": probes}, f, indent=1)
+            if timed and probe and "float32" in variant_names:
+                bar.set_postfix_str(f"{config_name} {model}: gradient-norm probe")
+                key = config_name if model == "vit" else f"{config_name}/{model}"
+                probes[key] = grad_norm_probe(
+                    config, variant_names, min(batch_sizes[config_name]), seed, workers, model=model
+                )
+                ratios = probes[key]["grad_norm_ratio_vs_float32"]
+                for row in records:
+                    if row["config"] == config_name and row["model"] == model:
+                        row["grad_norm_ratio_vs_float32"] = ratios[row["variant"]]
     bar.close()
     return {"machine": machine, "records": records, "probe": probes}
 
@@ -570,7 +646,8 @@ def plot(results: dict[str, Any], out_dir: str) -> list[str]:
     backend = results["machine"]["backend"]
     written = []
     for config_name in dict.fromkeys(r["config"] for r in records):
-        rows = [r for r in records if r["config"] == config_name]
+        first_model = next(r.get("model", "vit") for r in records if r["config"] == config_name)
+        rows = [r for r in records if r["config"] == config_name and r.get("model", "vit") == first_model]
         names = list(dict.fromkeys(r["variant"] for r in rows))
 
         def series(name, key):
@@ -622,8 +699,8 @@ def plot(results: dict[str, Any], out_dir: str) -> list[str]:
     return written
 
 
-def markdown_table(results: dict[str, Any], config_name: str, batch_sizes=None) -> str:
-    """A Markdown table of all metrics for one config (the README's table)."""
+def markdown_table(results: dict[str, Any], config_name: str, batch_sizes=None, model: str = "vit") -> str:
+    """A Markdown table of all metrics for one config and model (the README's table)."""
     header = (
         "| batch | variant | saved act. MiB | f32/variant | half matmul share | XLA estimate MiB "
         "| step s | epoch s | vs float32 | vs hand-written | HLO ops | grad-norm ratio |"
@@ -636,6 +713,8 @@ def markdown_table(results: dict[str, Any], config_name: str, batch_sizes=None) 
     for r in results["records"]:
         if r["config"] != config_name or (batch_sizes and r["batch_size"] not in batch_sizes):
             continue
+        if r.get("model", "vit") != model:
+            continue
         lines.append(
             f"| {r['batch_size']} | {r['variant']} | {r['saved_activation_bytes'] / 2**20:.1f} "
             f"| {fmt(r.get('saved_bytes_ratio_vs_float32'), '.2f')} | {r['half_matmul_flop_share']:.3f} "
@@ -643,6 +722,44 @@ def markdown_table(results: dict[str, Any], config_name: str, batch_sizes=None) 
             f"| {fmt(r.get('step_time_s'), '.3f')} | {fmt(r.get('epoch_time_s'), '.0f')} "
             f"| {fmt(r.get('speedup_vs_float32'), '.2f')}{'x' if r.get('speedup_vs_float32') else ''} | {fmt(r.get('time_ratio_vs_hand_written'), '.3f')} "
             f"| {r['hlo_ops']} | {fmt(r.get('grad_norm_ratio_vs_float32'), '.3f')} |"
+        )
+    return "\n".join(lines)
+
+
+def comparison_table(results: dict[str, Any], config_name: str) -> str:
+    """Every model and variant of one config against the hand-written float16 step.
+
+    Step times: the median, and in brackets the range, of the per-round
+    ratios to the hand-written step of the same round (rounds interleave the
+    variants, so a load spike hits a round's variants alike).
+    """
+    lines = [
+        "| model | batch | variant | saved MiB | f32/variant | half matmul share | XLA MiB | XLA vs hand "
+        "| HLO ops | HLO vs hand | step s | time vs hand (range) | large-activation loss (float32) |",
+        "|" + "---|" * 13,
+    ]
+    records = [r for r in results["records"] if r["config"] == config_name]
+    hands = {(r.get("model", "vit"), r["batch_size"]): r for r in records if r["variant"] == "hand_written"}
+    for r in records:
+        hand = hands.get((r.get("model", "vit"), r["batch_size"]))
+        xla = hlo = time = "n/a"
+        if hand is not None:
+            if r.get("xla_total_bytes") and hand.get("xla_total_bytes"):
+                xla = f"{r['xla_total_bytes'] / hand['xla_total_bytes']:.2f}x"
+            hlo = f"{r['hlo_ops'] / hand['hlo_ops']:.2f}x"
+            if r.get("step_times_s") and hand.get("step_times_s"):
+                ratios = sorted(a / b for a, b in zip(r["step_times_s"], hand["step_times_s"]))
+                time = f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+        xla_mib = "n/a" if not r.get("xla_total_bytes") else f"{r['xla_total_bytes'] / 2**20:.0f}"
+        step = "n/a" if r.get("step_time_s") is None else f"{r['step_time_s']:.3f}"
+        ratio = r.get("saved_bytes_ratio_vs_float32")
+        large, large32 = r.get("large_activation_loss"), r.get("large_activation_loss_float32")
+        large = "n/a" if large is None else f"{large:.3f} ({large32:.3f})"
+        lines.append(
+            f"| {r.get('model', 'vit')} | {r['batch_size']} | {r['variant']} "
+            f"| {r['saved_activation_bytes'] / 2**20:.0f} | {'n/a' if ratio is None else f'{ratio:.2f}'} "
+            f"| {r['half_matmul_flop_share']:.3f} | {xla_mib} | {xla} | {r['hlo_ops']} | {hlo} "
+            f"| {step} | {time} | {large} |"
         )
     return "\n".join(lines)
 
@@ -661,6 +778,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per variant (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps after compilation")
     parser.add_argument("--time-base", action="store_true", help="also time ViT-Base (slow on a CPU)")
+    parser.add_argument("--models", default="vit",
+                        help="comma-separated: vit (written for any dtype), plain_vit (naive float32 code)")
+    parser.add_argument("--no-probe", action="store_true", help="skip the gradient-norm probe")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--workers", type=int, default=None, help="parallel compilations (default: cores)")
     args = parser.parse_args(argv)
@@ -694,6 +814,10 @@ def main(argv=None) -> int:
             parser.error(f"variant(s) {missing} not available here; available: {variant_names}")
         variant_names = [v for v in variant_names if v in wanted]
 
+    model_names = [m for m in args.models.split(",") if m]
+    if [m for m in model_names if m not in models.LOSSES]:
+        parser.error(f"unknown model(s) in {model_names}; choose from {sorted(models.LOSSES)}")
+
     os.makedirs(args.out, exist_ok=True)
     results = run(
         config_names,
@@ -705,6 +829,8 @@ def main(argv=None) -> int:
         progress=not args.no_progress,
         workers=args.workers,
         partial_path=os.path.join(args.out, "results.partial.json"),
+        model_names=model_names,
+        probe=not args.no_probe,
     )
     results["command"] = " ".join(["python -m benchmarks.vit"] + list(sys.argv[1:] if argv is None else argv))
     results["skipped_peers"] = {
@@ -718,8 +844,12 @@ def main(argv=None) -> int:
         os.remove(os.path.join(args.out, "results.partial.json"))
     plot(results, args.out)
     for config_name in config_names:
-        print(f"\n## {config_name}\n")
-        print(markdown_table(results, config_name))
+        for model in model_names:
+            print(f"\n## {config_name} ({model})\n")
+            print(markdown_table(results, config_name, model=model))
+        if "hand_written" in variant_names:
+            print(f"\n## {config_name}: against the hand-written float16 step\n")
+            print(comparison_table(results, config_name))
     return 0
 
 

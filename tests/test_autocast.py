@@ -463,9 +463,9 @@ def test_rules_value_prints_short_and_validates():
     import inspect
     assert repr(jaxmp.AutocastRules()) == "AutocastRules()"
     rules = jaxmp.AutocastRules(full_precision=jaxmp.autocast.FULL_PRECISION | {"tanh"},
-                                follow=jaxmp.autocast.FOLLOW - {"tanh"})
+                                bounded=jaxmp.autocast.BOUNDED - {"tanh"})
     assert repr(rules) == ("AutocastRules(full_precision=FULL_PRECISION | {'tanh'}, "
-                           "follow=FOLLOW - {'tanh'})")
+                           "bounded=BOUNDED - {'tanh'})")
     signature = str(inspect.signature(jaxmp.autocast))  # what help() prints first
     assert "reduce_sum" not in signature and len(signature) < 400
     with pytest.raises(TypeError, match="primitive names"):
@@ -478,3 +478,97 @@ def test_rules_value_prints_short_and_validates():
     by_rules = jaxmp.autocast(f, F16, rules=rules)
     assert _dtypes_of(by_rules, w, x, prim="tanh") == [("tanh", "float32")]
     _assert_close(by_rules(w, x), f(w, x), rtol=3e-3)
+
+
+# --- Narrowing after normalisation, saturating functions, recomputation by region ---------
+
+
+def _residual_dtypes(fn, *args):
+    """The dtypes of what the VJP of ``fn`` keeps for the backward pass, by shape."""
+    from jax._src.ad_checkpoint import saved_residuals  # pylint: disable=g-import-not-at-top
+
+    return {(str(a.dtype), a.shape) for a, desc in saved_residuals(fn, *args) if "argument" not in desc}
+
+
+def _ln_attention(w, x, scale, bias):
+    """A pre-norm attention-like block: layer norm, matmul, softmax, matmul."""
+    h = _layer_norm(x, scale, bias) @ w  # 16 x 128
+    p = jax.nn.softmax(h @ h.T / 8.0, axis=-1)  # 16 x 16
+    return jnp.sum((p @ h) ** 2)
+
+
+def test_normalised_values_are_narrowed_before_the_next_matmul():
+    w, x = _activations(100.0, shape=(16, 64), out=128)
+    x = x + 300.0 * jnp.sin(jnp.arange(64.0))  # a variance that overflows in float16
+    scale, bias = jnp.full((64,), 1.5), jnp.full((64,), 0.1)
+    f = jaxmp.autocast(_ln_attention, F16, recompute_float32=False)
+    # The layer-norm output (16 x 64) and the softmax (16 x 16) enter their
+    # matrix products as float16, computed from float32 statistics.
+    dots = _dtypes_of(f, w, x, scale, bias, prim="dot_general")
+    assert set(dots) == {("dot_general", "float16")}
+    assert {d for _, d in _dtypes_of(f, w, x, scale, bias, prim="rsqrt")} == {"float32"}
+    assert {d for _, d in _dtypes_of(f, w, x, scale, bias, prim="exp")} == {"float32"}
+    # ``* scale + bias`` after the normalisation run in float16 (only ``var + eps`` is float32).
+    assert set(_dtypes_of(f, w, x, scale, bias, prim="add")) == {("add", "float32"), ("add", "float16")}
+    # No float32 copy of the normalised activations is kept for the backward pass.
+    saved = _residual_dtypes(f, w, x, scale, bias)
+    assert ("float32", (16, 64)) in saved  # x - mean, for the derivative of the normalisation
+    assert ("float16", (16, 64)) in saved  # the narrowed layer-norm output, for the matmul
+    # Values and gradients still follow float32.
+    ref = _ln_attention(w, x, scale, bias)
+    assert np.isfinite(float(f(w, x, scale, bias)))
+    _assert_close(f(w, x, scale, bias), ref, rtol=2e-2)
+    g, r = jax.grad(f)(w, x, scale, bias), jax.grad(_ln_attention)(w, x, scale, bias)
+    _assert_close(g, r, rtol=0, atol=3e-2 * float(jnp.max(jnp.abs(r))))
+
+
+def test_recomputation_keeps_only_half_precision_and_statistics():
+    w, x = _activations(1.0, shape=(16, 64), out=128)
+    scale, bias = jnp.full((64,), 1.5), jnp.full((64,), 0.1)
+    f = jaxmp.autocast(_ln_attention, F16)
+    saved = _residual_dtypes(f, w, x, scale, bias)
+    # Float32 residuals are only statistics (one number per row), never activations.
+    assert all(dtype == "float16" or np.prod(shape) <= 16 for dtype, shape in saved), saved
+    full = jaxmp.saved_activation_bytes(_ln_attention, w, x, scale, bias)
+    assert full / jaxmp.saved_activation_bytes(f, w, x, scale, bias) >= 2.0
+    no_recompute = jaxmp.autocast(_ln_attention, F16, recompute_float32=False)
+    _assert_close(jax.grad(f)(w, x, scale, bias), jax.grad(no_recompute)(w, x, scale, bias), rtol=1e-6)
+
+
+def test_a_normalised_value_that_reaches_a_logarithm_stays_float32():
+    def nll(w, x):
+        p = jax.nn.softmax(x @ w, axis=-1)  # probabilities down to about exp(-40)
+        return -jnp.mean(jnp.log(p[:, 0] + 1e-30))
+
+    w, x = _activations(20.0)
+    w = w.at[:, 0].set(-w[:, 0])  # class 0 has the lowest logit
+    f = jaxmp.autocast(nll, F16)
+    # Narrowing p to float16 would flush it to 0, and the loss to -log(1e-30) = 69.
+    assert float(nll(w, x)) > 30.0
+    _assert_close(f(w, x), nll(w, x), rtol=1e-2)
+
+
+def test_tanh_of_a_float32_value_runs_in_half_precision():
+    def gelu_mlp(w1, w2, x):
+        return jnp.sum(jax.nn.gelu(x @ w1) @ w2)  # tanh GELU: x**3 in float32, tanh narrowed
+
+    w1, x = _activations(1.0, shape=(8, 16), out=32)
+    w2 = jnp.full((32, 4), 0.1)
+    f = jaxmp.autocast(gelu_mlp, F16)
+    assert {d for _, d in _dtypes_of(f, w1, w2, x, prim="integer_pow")} == {"float32"}
+    assert {d for _, d in _dtypes_of(f, w1, w2, x, prim="tanh")} == {"float16"}
+    _assert_close(f(w1, w2, x), gelu_mlp(w1, w2, x), rtol=1e-2)
+    # tanh(inf) is 1: a float32 argument beyond float16's range saturates correctly.
+    big = jnp.float32(1e6)
+    assert float(jaxmp.autocast(lambda a, b: jnp.tanh(jnp.exp(a) * b), F16)(big / 1e5, big)) == 1.0
+
+
+def test_a_value_cast_inside_a_loop_body_and_outside_it():
+    # Conversions are shared within one jaxpr evaluation, never across traces.
+    def f(w, xs):
+        _, ys = jax.lax.scan(lambda c, x: (c, x @ w), 0.0, xs)  # w cast inside the body
+        return jnp.sum(ys) + jnp.sum(xs[0] @ w)  # and outside
+
+    w, xs = jnp.full((4, 4), 0.25), jnp.ones((3, 2, 4))
+    _assert_close(jaxmp.autocast(f, F16)(w, xs), f(w, xs), rtol=1e-3)
+    _assert_close(jax.grad(jaxmp.autocast(f, F16))(w, xs), jax.grad(f)(w, xs), rtol=1e-3)

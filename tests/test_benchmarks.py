@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxmp
 from benchmarks import models
 from benchmarks import vit
 
@@ -129,3 +130,29 @@ def test_quick_run_writes_results_for_every_variant(tmp_path):
     # Unscaling with this step's scale: the gradient norm is float32's.
     assert abs(by[batch_sizes[0], "jaxmp"]["grad_norm_ratio_vs_float32"] - 1.0) < 0.02
     assert any(name.endswith(".png") for name in os.listdir(tmp_path))
+
+
+def test_plain_vit_is_the_same_model_with_the_promotion_trap():
+    params = models.init_vit(jax.random.key(0), CONFIG)
+    images, labels = _batch(4)
+    plain = models.plain_vit_loss(params, images, labels, CONFIG)
+    np.testing.assert_allclose(float(plain), float(models.vit_loss(params, images, labels, CONFIG)), rtol=1e-4)
+    # Cast to float16, the NumPy float64 scale sends the attention back to float32;
+    # autocast puts every matrix product in half precision.
+    hand = vit.make_variant("hand_written", CONFIG, model="plain_vit")
+    auto = vit.make_variant("autocast", CONFIG, model="plain_vit")
+    assert jaxmp.half_matmul_flop_share(jax.grad(hand.loss), params, images, labels) < 0.5
+    assert jaxmp.half_matmul_flop_share(jax.grad(auto.loss), params, images, labels) == 1.0
+
+
+def test_comparison_table_reports_per_round_ratios_to_the_hand_written_step():
+    def record(variant, times, **extra):
+        return {"config": "tiny", "model": "vit", "batch_size": 8, "variant": variant,
+                "saved_activation_bytes": 2**20, "half_matmul_flop_share": 1.0, "hlo_ops": 100,
+                "xla_total_bytes": 2**21, "step_times_s": times, "step_time_s": sorted(times)[1],
+                "large_activation_loss": 1.0, "large_activation_loss_float32": 1.0, **extra}
+
+    results = {"records": [record("hand_written", [1.0, 2.0, 1.0]),
+                           record("autocast", [1.1, 2.0, 1.3], hlo_ops=120)]}
+    table = vit.comparison_table(results, "tiny")
+    assert "| vit | 8 | autocast | 1 | n/a | 1.000 | 2 | 1.00x | 120 | 1.20x | 1.300 | 1.10x (1.00-1.30) |" in table

@@ -9,6 +9,8 @@ primitive names:
 * ``full_precision`` (sums, products, cumulative sums, exp/log and friends,
   powers, square roots, ...): floating operands are cast up to float32 and the
   result is float32;
+* ``bounded`` (tanh, logistic): like ``follow``, but a float32 operand is
+  narrowed to the compute dtype first (the result is bounded anyway);
 * ``follow`` (elementwise arithmetic, comparisons, reshapes, slices, max/min
   reductions, ...): operands are brought to one common dtype, the narrowest of
   them, so a float32 bias, scale or positional embedding added to a
@@ -24,9 +26,14 @@ one, and every loop carry) is *kept* in float32: an operation that mixes it
 with a half-precision value runs in float32 rather than narrowing it, because
 such values (a large sum before a division, a variance, the normaliser of a
 softmax) are exactly the ones that overflow or lose their digits in half
-precision. They are narrowed only where the precision is chosen explicitly:
-at the operands of a matrix product, by an explicit cast in ``fn``, and at
-the outputs of ``fn``, which keep the dtypes ``fn`` gives them.
+precision. They are narrowed at the operands of a matrix product, at a
+``bounded`` function, by an explicit cast in ``fn``, at the outputs of
+``fn`` (which keep the dtypes ``fn`` gives them), and once normalised
+(divided by a statistic, or multiplied by the reciprocal of one: a softmax,
+a layer norm) unless something downstream needs their float32 digits
+(``_narrow_safe``). With ``recompute_float32`` each connected float32 region
+is recomputed in the backward pass instead of saved
+(``_eval_with_regions``).
 
 Integer, boolean and PRNG-key values are never touched. Nested ``jit``,
 ``scan``, ``while_loop``, ``cond``, ``checkpoint``, ``custom_jvp`` and
@@ -46,6 +53,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jax.extend import core as jex_core
 
 from jaxmp._src import casting
 from jaxmp._src import interpret
@@ -70,7 +79,7 @@ FULL_PRECISION = frozenset({
 # Operations that run in the narrowest floating dtype of their operands.
 FOLLOW = frozenset({
     "add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "floor", "ceil",
-    "round", "is_finite", "nextafter", "rem", "atan2", "tanh", "logistic", "sin",
+    "round", "is_finite", "nextafter", "rem", "atan2", "sin",
     "cos", "atan", "asinh", "acosh", "select_n", "clamp", "eq", "ne", "lt", "le",
     "gt", "ge", "broadcast_in_dim", "reshape", "transpose", "squeeze",
     "expand_dims", "slice", "dynamic_slice", "dynamic_update_slice", "gather",
@@ -79,6 +88,11 @@ FOLLOW = frozenset({
     "copy", "copy_p", "reduce_precision", "top_k", "split",
 })
 
+# Saturating functions: their result is bounded whatever their operand, so a
+# value kept in float32 is narrowed to the compute dtype on its way in
+# (tanh(inf) is still 1).
+BOUNDED = frozenset({"tanh", "logistic"})
+
 # Operations whose operands are independent: each keeps its own dtype.
 PASSTHROUGH = frozenset({
     "optimization_barrier", "name", "sharding_constraint", "mesh_cast", "reshard",
@@ -86,11 +100,13 @@ PASSTHROUGH = frozenset({
     "psum_scatter", "reduce_scatter", "pbroadcast", "pvary", "pcast", "sort",
 })
 
-_RULE_FIELDS = ("low_precision", "full_precision", "follow", "passthrough")
+_RULE_FIELDS = ("low_precision", "full_precision", "follow", "passthrough", "bounded")
 _DEFAULT_SETS = {"low_precision": LOW_PRECISION, "full_precision": FULL_PRECISION,
-                 "follow": FOLLOW, "passthrough": PASSTHROUGH}
+                 "follow": FOLLOW, "passthrough": PASSTHROUGH, "bounded": BOUNDED}
 _SET_NAMES = {"low_precision": "LOW_PRECISION", "full_precision": "FULL_PRECISION",
-              "follow": "FOLLOW", "passthrough": "PASSTHROUGH"}
+              "follow": "FOLLOW", "passthrough": "PASSTHROUGH", "bounded": "BOUNDED"}
+# Reductions: their results are statistics of a tensor (see ``_Autocast``).
+_REDUCTIONS = frozenset({"reduce_sum", "reduce_prod"})
 
 
 def _describe(field: str, names: frozenset) -> str:
@@ -98,7 +114,7 @@ def _describe(field: str, names: frozenset) -> str:
     default = _DEFAULT_SETS[field]
     added, removed = sorted(names - default), sorted(default - names)
     if len(added) + len(removed) > 6:
-        return f"<{len(names)} names>"
+        return f"<{len(names)} name{'' if len(names) == 1 else 's'}>"
     text = _SET_NAMES[field]
     if added:
         text += " | {" + ", ".join(repr(n) for n in added) + "}"
@@ -113,11 +129,14 @@ class AutocastRules:
 
     Each field is a set of primitive names (``jax.make_jaxpr`` shows them);
     the sets are checked in this order: ``low_precision`` (run in the compute
-    dtype), ``full_precision`` (run in float32), ``follow`` (run in the
+    dtype), ``full_precision`` (run in float32), ``bounded`` (saturating
+    functions such as ``tanh``: like ``follow``, but an operand kept in
+    float32 is narrowed to the compute dtype first), ``follow`` (run in the
     narrowest dtype of their operands), ``passthrough`` (each operand keeps
     its dtype). A primitive in none of them runs as written. The defaults are
-    ``jaxmp.autocast.LOW_PRECISION``, ``FULL_PRECISION``, ``FOLLOW`` and
-    ``PASSTHROUGH``. Its ``repr`` names only what differs from them.
+    ``jaxmp.autocast.LOW_PRECISION``, ``FULL_PRECISION``, ``BOUNDED``,
+    ``FOLLOW`` and ``PASSTHROUGH``. Its ``repr`` names only what differs from
+    them.
 
     Examples:
         >>> import jaxmp
@@ -134,6 +153,7 @@ class AutocastRules:
     full_precision: frozenset = FULL_PRECISION
     follow: frozenset = FOLLOW
     passthrough: frozenset = PASSTHROUGH
+    bounded: frozenset = BOUNDED
 
     def __post_init__(self):
         for field in _RULE_FIELDS:
@@ -150,31 +170,43 @@ class AutocastRules:
         return f"AutocastRules({', '.join(changed)})"
 
 
+# What autocast knows of a floating value, beyond its dtype:
+_PLAIN = ""  # nothing: narrowed by ``follow`` operations like any value
+_KEPT = "kept"  # comes from a float32 operation: kept there by ``follow`` operations
+_STAT = "stat"  # kept, and a statistic: computed from reductions and scalars only
+_INV = "inv"  # kept, and the reciprocal of a statistic (``rsqrt(var + eps)``, ``1 / sum``)
+
+
 @jax.tree_util.register_pytree_node_class
 class _Wide:
     """A floating value *kept* wide: not narrowed by ``follow`` operations.
 
-    The interpreter's values are arrays (not kept) or ``_Wide`` nodes; being
-    a pytree node, the mark travels through loops, branches and custom
-    derivative rules as static structure.
+    The interpreter's values are arrays (plain) or ``_Wide`` nodes, whose
+    static ``kind`` says why they are kept; being a pytree node, the mark
+    travels through loops, branches and custom derivative rules as static
+    structure.
     """
 
-    __slots__ = ("x",)
+    __slots__ = ("x", "kind")
 
-    def __init__(self, x):
+    def __init__(self, x, kind=_KEPT):
         self.x = x
+        self.kind = kind
 
     def tree_flatten(self):
-        return (self.x,), None
+        return (self.x,), self.kind
 
     @classmethod
-    def tree_unflatten(cls, aux, children):
-        del aux
-        return cls(*children)
+    def tree_unflatten(cls, kind, children):
+        return cls(*children, kind)
 
 
-def _unwrap(value) -> tuple[Any, bool]:
-    return (value.x, True) if isinstance(value, _Wide) else (value, False)
+def _unwrap(value) -> tuple[Any, str]:
+    return (value.x, value.kind) if isinstance(value, _Wide) else (value, _PLAIN)
+
+
+def _wrap(x, kind: str):
+    return _Wide(x, kind) if kind else x
 
 
 def _is_half(dtype: Any) -> bool:
@@ -191,13 +223,93 @@ def _as_original(x: Any, aval: Any) -> Any:
     return _cast(x, aval.dtype) if casting.is_float_dtype(aval.dtype) else x
 
 
-class _Autocast(interpret.Interpreter):
-    """The interpreter of one ``autocast`` call: its compute dtype and rules."""
+def _narrow_safe(closed, rules: "AutocastRules") -> frozenset:
+    """The variables of ``closed`` (sub-jaxprs included) whose value must stay wide.
 
-    def __init__(self, compute_dtype: np.dtype, rules: AutocastRules):
+    A normalised value (see ``_Autocast``) is narrowed to the compute dtype
+    only where nothing downstream needs its float32 digits: a value is in
+    the returned set when it reaches, through ``follow`` and ``passthrough``
+    operations and casts, a ``full_precision`` operation (``log`` of a
+    probability, a sum), a loop or a branch, or an output of the function.
+    """
+    needed: set = set()
+
+    def walk(jaxpr, out_needed):
+        local = {v for v, n in zip(jaxpr.outvars, out_needed)
+                 if n and not isinstance(v, jex_core.Literal)}
+        for eqn in reversed(jaxpr.eqns):
+            name = eqn.primitive.name
+            outs_needed = [v in local for v in eqn.outvars]
+            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            if name in ("scan", "while", "cond"):
+                for sub in (eqn.params.get("jaxpr"), eqn.params.get("cond_jaxpr"),
+                            eqn.params.get("body_jaxpr"), *eqn.params.get("branches", ())):
+                    if sub is not None:
+                        walk(sub.jaxpr, [True] * len(sub.jaxpr.outvars))
+                ins = [True] * len(eqn.invars)
+            elif inner is not None and hasattr(getattr(inner, "jaxpr", inner), "eqns"):
+                inner = getattr(inner, "jaxpr", inner)
+                ins = walk(inner, outs_needed)
+            elif name in rules.full_precision:
+                ins = [True] * len(eqn.invars)
+            elif name in rules.low_precision or name in rules.bounded:
+                ins = [False] * len(eqn.invars)  # they narrow their operands anyway
+            elif (name in rules.follow or name in rules.passthrough
+                  or name == "convert_element_type"):
+                ins = [any(outs_needed)] * len(eqn.invars)
+            else:
+                ins = [True] * len(eqn.invars)  # run as written, in float32
+            for v, n in zip(eqn.invars, ins):
+                if n and not isinstance(v, jex_core.Literal):
+                    local.add(v)
+        needed.update(local)
+        return [v in local for v in jaxpr.invars]
+
+    walk(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    return frozenset(needed)
+
+
+class _Autocast(interpret.Interpreter):
+    """The interpreter of one traced ``autocast`` call: compute dtype, rules, narrowing.
+
+    Every floating value is plain or kept wide (``_Wide``), and a kept value
+    may be known to be a *statistic* (computed from reductions and scalars:
+    a mean, a variance, the sum of a softmax) or the reciprocal of one. A
+    *normalised* value, ``a / statistic`` or ``a * reciprocal`` with ``a``
+    not itself a statistic, is computed in float32 and then narrowed to the
+    compute dtype, unless ``keep`` (from ``_narrow_safe``) says that
+    something downstream needs it wide: layer-norm and softmax outputs go on
+    in half precision like the hand-written model's.
+    """
+
+    def __init__(self, compute_dtype: np.dtype, rules: AutocastRules, keep: frozenset = frozenset()):
         super().__init__()
         self.compute_dtype = compute_dtype
         self.rules = rules
+        self.keep = keep
+        self._casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
+
+    def eval_jaxpr(self, jaxpr, consts, args):
+        # One cache of conversions per jaxpr evaluation: everything it holds
+        # was made in the trace that evaluation runs in (a loop body or a
+        # custom rule, traced later, gets its own).
+        outer, self._casts = self._casts, {}
+        try:
+            return super().eval_jaxpr(jaxpr, consts, args)
+        finally:
+            self._casts = outer
+
+    def cast(self, x, dtype):
+        """``x`` in ``dtype``; one conversion per value and dtype in one jaxpr evaluation."""
+        if x.dtype == dtype:
+            return x
+        key = (id(x), np.dtype(dtype))
+        hit = self._casts.get(key)
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        out = lax.convert_element_type(x, dtype)
+        self._casts[key] = (x, out)
+        return out
 
     def loop_carry(self, values, avals):
         # Loop carries keep their dtypes, and are kept there inside the body.
@@ -214,14 +326,12 @@ class _Autocast(interpret.Interpreter):
             outs = [_unwrap(shapes[i]) for shapes in branch_shapes]
             dtypes = {x.dtype for x, _ in outs}
             dtype = dtypes.pop() if len(dtypes) == 1 else aval.dtype
-            targets.append((dtype, casting.is_float_dtype(dtype) and any(k for _, k in outs)))
+            kinds = {k for _, k in outs}
+            kind = kinds.pop() if len(kinds) == 1 else _KEPT
+            targets.append((dtype, kind if casting.is_float_dtype(dtype) else _PLAIN))
 
         def fix(outs):
-            fixed = []
-            for v, (dtype, kept) in zip(outs, targets):
-                x = _cast(_unwrap(v)[0], dtype)
-                fixed.append(_Wide(x) if kept else x)
-            return fixed
+            return [_wrap(_cast(_unwrap(v)[0], dtype), kind) for v, (dtype, kind) in zip(outs, targets)]
 
         return fix
 
@@ -229,20 +339,18 @@ class _Autocast(interpret.Interpreter):
         return _as_original(_unwrap(value)[0], aval)
 
     def from_original(self, array, like):
-        like_x, kept = _unwrap(like)
-        if not casting.is_float_dtype(like_x.dtype):
-            return None if array is None else array
-        x = _cast(array, like_x.dtype)
-        return _Wide(x) if kept else x
+        like_x, kind = _unwrap(like)
+        if array is None or not casting.is_float_dtype(like_x.dtype):
+            return array
+        return _wrap(_cast(array, like_x.dtype), kind)
 
     def first_order(self, eqn, invals):
         unwrapped = [_unwrap(v) for v in invals]
-        xs = [x for x, _ in unwrapped]
-        outs, kept = self._rule(eqn, xs, [k for _, k in unwrapped])
-        return [_Wide(x) if k else x for x, k in zip(outs, kept)]
+        outs, kinds = self._rule(eqn, [x for x, _ in unwrapped], [k for _, k in unwrapped])
+        return [_wrap(x, k) for x, k in zip(outs, kinds)]
 
-    def _rule(self, eqn, invals, inkept):
-        """The outputs of one first-order equation and whether each is kept wide."""
+    def _rule(self, eqn, invals, kinds):
+        """The outputs of one first-order equation, and the kind of each (see ``_Wide``)."""
         name = eqn.primitive.name
         rules = self.rules
         in_avals = [v.aval for v in eqn.invars]
@@ -252,60 +360,109 @@ class _Autocast(interpret.Interpreter):
 
         if not floats:
             # Integers, booleans, keys: exactly as written.
-            return interpret.bind(eqn, invals), [False] * nout
+            return interpret.bind(eqn, invals), [_PLAIN] * nout
 
         if name == "convert_element_type":
-            (x,), (k,) = invals, inkept
+            (x,), (k,) = invals, kinds
             new = eqn.params["new_dtype"]
             if in_avals[0].dtype == new:
                 # A weak-type or sharding adjustment: the value keeps its precision.
                 return [x], [k]
             if not casting.is_float_dtype(new):
-                return interpret.bind(eqn, [x]), [False]
+                return interpret.bind(eqn, [x]), [_PLAIN]
             # An explicit cast in ``fn``: respected; a cast up to float32 is kept there.
-            return interpret.bind(eqn, [x]), [np.dtype(new).itemsize >= 4]
+            wide = np.dtype(new).itemsize >= 4
+            return interpret.bind(eqn, [x]), [(k or _KEPT) if wide else _PLAIN]
 
         if name in rules.low_precision:
             cast = list(invals)
             for i in floats:
-                cast[i] = _cast(cast[i], self.compute_dtype)
+                cast[i] = self.cast(cast[i], self.compute_dtype)
             params = dict(eqn.params)
             pref = params.get("preferred_element_type")
             if pref is not None and casting.is_float_dtype(pref):
                 params["preferred_element_type"] = self.compute_dtype
-            return interpret.bind(eqn, cast, params), [False] * nout
+            return interpret.bind(eqn, cast, params), [_PLAIN] * nout
+
+        float_kinds = [kinds[i] for i in floats]
+        # Scalars (literals, eps, counts) do not stop a result from being a statistic.
+        stat_like = all(k in (_STAT, _INV) or invals[i].size == 1
+                        for i, k in zip(floats, float_kinds))
+        any_stat = any(k in (_STAT, _INV) for k in float_kinds)
 
         if name in rules.full_precision:
             cast = list(invals)
             for i in floats:
-                cast[i] = _cast(cast[i], casting.wide_dtype(in_avals[i].dtype))
+                cast[i] = self.cast(cast[i], casting.wide_dtype(in_avals[i].dtype))
             outs = interpret.bind(eqn, cast)
-            return outs, [casting.is_float_dtype(o.dtype) for o in outs]
+            if name in _REDUCTIONS or (stat_like and any_stat):
+                inverse = name == "rsqrt" or (name == "integer_pow" and eqn.params["y"] < 0)
+                flip = {_STAT: _INV, _INV: _STAT}
+                kind = float_kinds[0] if name not in _REDUCTIONS else _STAT
+                kind = flip.get(kind, _STAT) if inverse else (kind if kind in flip else _STAT)
+            else:
+                kind = _KEPT
+            return outs, [kind if casting.is_float_dtype(o.dtype) else _PLAIN for o in outs]
+
+        if name in rules.bounded:
+            # Saturating: a kept operand is narrowed (no float32 digits needed).
+            dtypes = [np.dtype(invals[i].dtype) if not kinds[i] else self.compute_dtype
+                      for i in floats]
+            target = min(dtypes, key=lambda d: d.itemsize)
+            cast = list(invals)
+            for i in floats:
+                cast[i] = self.cast(cast[i], target)
+            return interpret.bind(eqn, cast), [_PLAIN] * nout
 
         if name in rules.follow:
             dtypes = [np.dtype(invals[i].dtype) for i in floats]
-            if any(inkept[i] for i in floats):
+            kept = any(float_kinds)
+            if kept:
                 target = casting.wide_dtype(max(dtypes, key=lambda d: d.itemsize))
-                kept = True
             elif self.compute_dtype in dtypes:
-                target, kept = self.compute_dtype, False
+                target = self.compute_dtype
             else:
-                target, kept = min(dtypes, key=lambda d: d.itemsize), False
+                target = min(dtypes, key=lambda d: d.itemsize)
             cast = list(invals)
             for i in floats:
-                cast[i] = _cast(cast[i], target)
+                cast[i] = self.cast(cast[i], target)
             outs = interpret.bind(eqn, cast)
-            return outs, [kept and casting.is_float_dtype(o.dtype) for o in outs]
+            if not kept:
+                return outs, [_PLAIN] * nout
+            kind = self._follow_kind(name, eqn, invals, kinds, stat_like, any_stat)
+            if kind == _PLAIN and len(outs) == 1 and target != self.compute_dtype:
+                # A normalised value: narrowed once computed, unless needed wide downstream.
+                return [self.cast(outs[0], self.compute_dtype)], [_PLAIN]
+            return outs, [kind if casting.is_float_dtype(o.dtype) else _PLAIN for o in outs]
 
         if name in rules.passthrough:
             outs = interpret.bind(eqn, invals)
             if len(outs) == len(invals):
-                return outs, list(inkept)
-            return outs, [False] * nout
+                return outs, list(kinds)
+            return outs, [_PLAIN] * nout
 
         # No rule: run exactly as written, in the original dtypes.
         return (interpret.bind(eqn, [_as_original(x, a) for x, a in zip(invals, in_avals)]),
-                [False] * nout)
+                [_PLAIN] * nout)
+
+    def _follow_kind(self, name, eqn, invals, kinds, stat_like, any_stat):
+        """The kind of the result of a ``follow`` operation with a kept operand.
+
+        ``_PLAIN`` means: a normalised value that may be narrowed.
+        """
+        if stat_like and any_stat:
+            if name == "div" and kinds[1] in (_STAT, _INV) and invals[0].size == 1:
+                return {_STAT: _INV, _INV: _STAT}[kinds[1]]  # 1 / statistic
+            return _INV if all(k in (_INV, _PLAIN) for k in kinds) and _INV in kinds else _STAT
+        if len(eqn.outvars) != 1 or eqn.outvars[0] in self.keep:
+            return _KEPT
+        a, b = (kinds + [_PLAIN, _PLAIN])[:2]
+        if name == "div" and a not in (_STAT, _INV) and b == _STAT:
+            return _PLAIN
+        if name == "mul" and ((a == _INV and b not in (_STAT, _INV))
+                              or (b == _INV and a not in (_STAT, _INV))):
+            return _PLAIN
+        return _KEPT
 
 
 def _recompute_policy(low: frozenset) -> Callable:
@@ -317,7 +474,7 @@ def _recompute_policy(low: frozenset) -> Callable:
     saved, never recomputed.
     """
 
-    always = low | LOW_PRECISION
+    always = low | LOW_PRECISION | _REDUCTIONS  # reductions: small results, costly to redo
 
     def policy(prim, *avals, **params):
         if prim.name in always:
@@ -334,6 +491,113 @@ def _recompute_policy(low: frozenset) -> Callable:
     return policy
 
 
+def _float32_regions(jaxpr) -> list[list[int]]:
+    """The float32 regions of the autocast program ``jaxpr``, as lists of equation indices.
+
+    A region is a connected group of first-order equations with float32 (or
+    wider) outputs, connected through float32 values: a layer-norm's
+    statistics and normalisation, a softmax's exponentials and sums, the
+    float32 part of a GELU. A region is dropped when an equation outside it
+    sits between its equations and feeds back into it (it could then not run
+    as one unit).
+    """
+    def wide_out(eqn):
+        return any(casting.is_float_dtype(v.aval.dtype) and np.dtype(v.aval.dtype).itemsize >= 4
+                   for v in eqn.outvars)
+
+    member = [eqn.primitive.name not in interpret.HANDLERS and wide_out(eqn)
+              and not any(isinstance(p, (jex_core.Jaxpr, jex_core.ClosedJaxpr))
+                          for p in eqn.params.values())
+              for eqn in jaxpr.eqns]
+    producer = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
+    parent = list(range(len(jaxpr.eqns)))
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, eqn in enumerate(jaxpr.eqns):
+        if not member[i]:
+            continue
+        for v in eqn.invars:
+            j = producer.get(v) if not isinstance(v, jex_core.Literal) else None
+            if j is not None and member[j] and np.dtype(v.aval.dtype).itemsize >= 4:
+                parent[find(i)] = find(j)
+    groups: dict[int, list[int]] = {}
+    for i in range(len(jaxpr.eqns)):
+        if member[i]:
+            groups.setdefault(find(i), []).append(i)
+    regions = []
+    for idx in groups.values():
+        inside, last = set(idx), idx[-1]
+        outs = {v for i in idx for v in jaxpr.eqns[i].outvars}
+        feeds_back = any(
+            j not in inside and any(v in outs for v in jaxpr.eqns[j].invars
+                                    if not isinstance(v, jex_core.Literal))
+            for j in range(idx[0], last))
+        if len(idx) > 1 and not feeds_back:
+            regions.append(idx)
+    return regions
+
+
+def _eval_with_regions(closed, args, policy) -> list:
+    """Evaluates ``closed`` with each float32 region in its own ``jax.checkpoint``.
+
+    Each region's float32 values are then recomputed in the backward pass
+    where that region's derivative is taken, one region at a time, rather
+    than all at the start of the backward pass.
+    """
+    jaxpr = closed.jaxpr
+    regions = _float32_regions(jaxpr)
+    region_of = {i: r for r in regions for i in r}
+    used_after: dict[int, set] = {}
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
+    env.update(zip(jaxpr.invars, args))
+    outside_uses = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, jex_core.Literal):
+                used_after.setdefault(id(v), set()).add(i)
+
+    def read(v):
+        return jnp.asarray(v.val, v.aval.dtype) if isinstance(v, jex_core.Literal) else env[v]
+
+    for i, eqn in enumerate(jaxpr.eqns):
+        region = region_of.get(i)
+        if region is None:
+            for v, x in zip(eqn.outvars, interpret.bind(eqn, [read(v) for v in eqn.invars])):
+                env[v] = x
+            continue
+        if i != region[-1]:
+            continue
+        inside = set(region)
+        produced = [v for j in region for v in jaxpr.eqns[j].outvars]
+        produced_set = set(produced)
+        inputs = list(dict.fromkeys(
+            v for j in region for v in jaxpr.eqns[j].invars
+            if not isinstance(v, jex_core.Literal) and v not in produced_set))
+        outputs = [v for v in produced
+                   if v in outside_uses or used_after.get(id(v), set()) - inside]
+
+        def run_region(*xs, region=region, inputs=inputs, outputs=outputs):
+            local = dict(zip(inputs, xs))
+
+            def get(v):
+                return jnp.asarray(v.val, v.aval.dtype) if isinstance(v, jex_core.Literal) else local[v]
+
+            for j in region:
+                e = jaxpr.eqns[j]
+                for v, x in zip(e.outvars, interpret.bind(e, [get(v) for v in e.invars])):
+                    local[v] = x
+            return [local[v] for v in outputs]
+
+        outs = jax.checkpoint(run_region, policy=policy)(*[env[v] for v in inputs])
+        env.update(zip(outputs, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
 def autocast(
     fn: Callable,
     compute_dtype: Any = jnp.bfloat16,
@@ -344,12 +608,13 @@ def autocast(
     follow: Iterable[str] | None = None,
     passthrough: Iterable[str] | None = None,
     recompute_float32: bool = True,
+    bounded: Iterable[str] | None = None,
 ) -> Callable:
     """Runs ``fn`` with a precision chosen per operation, like ``torch.autocast``.
 
     ``fn`` is written in float32 and is not changed. Every call traces it to a
-    jaxpr and evaluates that jaxpr again with these rules (the rule sets are
-    sets of primitive names, checked in this order):
+    jaxpr and evaluates that jaxpr again with these rules (``rules``, a
+    :class:`jaxmp.AutocastRules` of primitive names, checked in this order):
 
     * ``low_precision`` (``dot_general``, ``conv_general_dilated``): operands
       in ``compute_dtype``, result in ``compute_dtype``;
@@ -357,42 +622,57 @@ def autocast(
       powers, ``sqrt``, ``rsqrt``, ``erf``, ...): floating operands in float32,
       result in float32. Softmax, log-softmax, ``logsumexp`` and the mean and
       variance of a normalisation are made of these, so they run in float32;
-    * ``follow`` (arithmetic, comparisons, ``tanh``, reshapes, slices,
-      ``max``...): the narrowest dtype of the operands, so a float32 bias,
-      scale or positional embedding meeting a half-precision activation is
-      cast down. Values that come out of a float32 operation are not
-      narrowed here: an operation mixing one with a half-precision value runs
-      in float32. They are narrowed only at the operands of a matrix product,
-      by explicit casts in ``fn`` and at the outputs of ``fn``;
+    * ``bounded`` (``tanh``, ``logistic``): saturating functions; like
+      ``follow``, except that a float32 operand is narrowed to
+      ``compute_dtype`` first (``tanh(inf)`` is still 1);
+    * ``follow`` (arithmetic, comparisons, reshapes, slices, ``max``...): the
+      narrowest dtype of the operands, so a float32 bias, scale or positional
+      embedding meeting a half-precision activation is cast down;
     * ``passthrough`` (collectives, ``sort``, sharding annotations): each
       operand keeps its dtype;
     * any other primitive runs as written, in its original dtypes.
 
-    Integer, boolean and key values are never touched; loop carries keep
-    their dtypes; nested ``jit``, ``scan``, ``while_loop``, ``cond``,
-    ``checkpoint``, ``custom_jvp`` and ``custom_vjp`` are handled inside (a
-    custom derivative rule is kept and evaluated in the original dtypes, so
-    e.g. ``jax.nn.relu`` keeps its gradient at 0).
+    What stays in float32: the result of a ``full_precision`` operation is
+    *kept* there, and a ``follow`` operation that mixes a kept value with a
+    half-precision one runs in float32 (``x - mean``, a sum before a
+    division): these are the values that overflow or lose their digits in
+    half precision. A kept value is narrowed back to ``compute_dtype`` at the
+    operands of a matrix product, at a ``bounded`` function, by an explicit
+    cast in ``fn``, at the outputs of ``fn`` (which keep the dtypes ``fn``
+    gives them), and once it is *normalised*: divided by a statistic (a value
+    computed from sums and scalars only, such as a softmax's sum or
+    ``sqrt(var + eps)``) or multiplied by the reciprocal of one
+    (``rsqrt(var + eps)``). The normalisation itself is computed in float32;
+    its result, of order one, goes on in half precision, as in a
+    hand-written half-precision model, unless something downstream needs its
+    float32 digits: a ``full_precision`` operation (``log`` of a
+    probability), a loop, a branch or an output of ``fn``. So layer-norm and
+    softmax outputs, and everything after a ``tanh``, are half precision;
+    the statistics, ``x - mean`` and exponentials of a softmax are float32.
+
+    What it costs: the float32 values are twice the size of half-precision
+    ones, the boundaries are conversions, and a float32 normalisation has a
+    float32 derivative in the backward pass. Integer, boolean and key values
+    are never touched; loop carries keep their dtypes; nested ``jit``,
+    ``scan``, ``while_loop``, ``cond``, ``checkpoint``, ``custom_jvp`` and
+    ``custom_vjp`` are handled inside (a custom derivative rule is kept and
+    evaluated in the original dtypes, so e.g. ``jax.nn.relu`` keeps its
+    gradient at 0).
+
+    With ``recompute_float32=True`` (the default for a half-precision
+    ``compute_dtype``) the float32 intermediates are not kept for the
+    backward pass: each connected float32 region (a layer norm, a softmax)
+    gets its own ``jax.checkpoint`` that keeps only its half-precision values
+    and the results of its reductions, and recomputes the rest where its
+    derivative is taken. The recomputed work is conversions and elementwise
+    operations, never a matrix product: what is kept for the backward pass
+    is then all half precision, for some more work in the backward pass.
+    ``recompute_float32=False`` keeps the float32 intermediates instead.
 
     The result is an ordinary function: ``jit``, ``vmap`` and ``grad`` work on
     it, its outputs have the dtypes ``fn`` gives them, gradients with respect
     to float32 inputs are float32 and the backward pass of a half-precision
     matrix product runs in half precision.
-
-    What is kept in float32, and what it costs: the outputs of
-    ``full_precision`` operations and what is computed from them (a softmax
-    normaliser, a variance) until a matrix product, an explicit cast or the
-    output of ``fn`` narrows them; loop carries of float32 loops. These
-    values are twice the size of half-precision ones, and every change of
-    precision is a conversion XLA has to run.
-
-    With ``recompute_float32=True`` (the default for a half-precision
-    ``compute_dtype``) those float32 intermediates are not kept for the
-    backward pass: they are recomputed there from the half-precision values
-    around them (``jax.checkpoint`` with a policy that saves only
-    half-precision values and matrix products). The recomputed work is
-    elementwise operations and reductions, never a matrix product: less
-    memory kept for the backward pass, more time in it.
 
     Args:
         fn: any JAX function of arrays and pytrees of arrays; non-array
@@ -410,7 +690,9 @@ def autocast(
         passthrough: if given, replaces ``rules.passthrough`` (primitive
             names whose operands keep their own dtypes).
         recompute_float32: recompute float32 intermediates in the backward
-            pass instead of saving them.
+            pass instead of saving them (see above).
+        bounded: if given, replaces ``rules.bounded`` (saturating functions
+            whose float32 operands are narrowed).
 
     The default sets are also attributes of this function
     (``jaxmp.autocast.FULL_PRECISION``...); to change a rule, pass a new set,
@@ -438,11 +720,10 @@ def autocast(
     if not isinstance(rules, AutocastRules):
         raise TypeError(f"rules must be a jaxmp.AutocastRules, got {type(rules).__name__}.")
     overrides = {"low_precision": low_precision, "full_precision": full_precision,
-                 "follow": follow, "passthrough": passthrough}
+                 "follow": follow, "passthrough": passthrough, "bounded": bounded}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if overrides:
         rules = dataclasses.replace(rules, **overrides)
-    interpreter = _Autocast(compute_dtype, rules)
     recompute = recompute_float32 and _is_half(compute_dtype)
 
     @functools.wraps(fn)
@@ -461,13 +742,19 @@ def autocast(
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
         out_avals = closed.out_avals
 
-        def run(consts, dyn):
-            outs = interpreter.eval_jaxpr(closed.jaxpr, consts, dyn)
+        interpreter = _Autocast(compute_dtype, rules, _narrow_safe(closed, rules))
+        consts = list(closed.consts)
+
+        def run(*flat):
+            outs = interpreter.eval_jaxpr(closed.jaxpr, flat[:len(consts)], flat[len(consts):])
             return [interpreter.to_original(o, a) for o, a in zip(outs, out_avals)]
 
         if recompute:
-            run = jax.checkpoint(run, policy=_recompute_policy(rules.low_precision))
-        outs = run(list(closed.consts), dyn)
+            program = jax.make_jaxpr(run)(*consts, *dyn)
+            outs = _eval_with_regions(
+                program, [*consts, *dyn], _recompute_policy(rules.low_precision))
+        else:
+            outs = run(*consts, *dyn)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 
     return wrapped
@@ -477,3 +764,4 @@ autocast.LOW_PRECISION = LOW_PRECISION
 autocast.FULL_PRECISION = FULL_PRECISION
 autocast.FOLLOW = FOLLOW
 autocast.PASSTHROUGH = PASSTHROUGH
+autocast.BOUNDED = BOUNDED
