@@ -726,22 +726,8 @@ def autocast(
         rules = dataclasses.replace(rules, **overrides)
     recompute = recompute_float32 and _is_half(compute_dtype)
 
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        positions = [i for i, x in enumerate(leaves) if casting.is_array(x)]
-
-        def flat_fn(*dyn):
-            full = list(leaves)
-            for i, x in zip(positions, dyn):
-                full[i] = x
-            call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
-            return fn(*call_args, **call_kwargs)
-
-        dyn = [leaves[i] for i in positions]
-        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
+    def run_autocast(closed, dyn):
         out_avals = closed.out_avals
-
         interpreter = _Autocast(compute_dtype, rules, _narrow_safe(closed, rules))
         consts = list(closed.consts)
 
@@ -751,13 +737,11 @@ def autocast(
 
         if recompute:
             program = jax.make_jaxpr(run)(*consts, *dyn)
-            outs = _eval_with_regions(
+            return _eval_with_regions(
                 program, [*consts, *dyn], _recompute_policy(rules.low_precision))
-        else:
-            outs = run(*consts, *dyn)
-        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+        return run(*consts, *dyn)
 
-    return wrapped
+    return functools.wraps(fn)(interpret.transform(fn, run_autocast))
 
 
 autocast.LOW_PRECISION = LOW_PRECISION
