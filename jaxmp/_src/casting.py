@@ -157,11 +157,11 @@ def cast_to_bfloat16(tree: PyTree) -> PyTree:
     """Casts the floating-point array leaves of ``tree`` to bfloat16.
 
     Examples:
-        >>> import jax.numpy as jnp
+        >>> import jax, jax.numpy as jnp
         >>> import jaxmp
-        >>> out = jaxmp.cast_to_bfloat16({"w": jnp.ones(2), "step": jnp.array(3)})
-        >>> out["w"].dtype, out["step"].dtype
-        (dtype(bfloat16), dtype('int32'))
+        >>> w, key = jaxmp.cast_to_bfloat16((jnp.ones(2), jax.random.key(0)))
+        >>> w.dtype, jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)  # keys untouched
+        (dtype(bfloat16), True)
     """
     return cast_tree(tree, jnp.bfloat16)
 
