@@ -1,5 +1,6 @@
 """Tests of jaxmp._src.nonfinite: find_nonfinite names the operation, the pass and the line."""
 
+import importlib.util
 import inspect
 
 import jax
@@ -290,3 +291,22 @@ def test_equinox_module_with_static_leaves():
                                            scaler_state=jaxmp.static_scaler(1.0))
     first = _overflows(report)[0]
     assert (first.phase, first.primitive) == ("forward", "exp")
+
+
+def test_user_code_in_a_folder_named_jaxmp_is_not_taken_for_library_code(tmp_path):
+    # A user's project (or a CI clone) may well live in a folder called "jaxmp":
+    # the overflow is inside Equinox's Linear, called from the user's line.
+    eqx = pytest.importorskip("equinox")
+    folder = tmp_path / "jaxmp" / "project"
+    folder.mkdir(parents=True)
+    (folder / "user_model.py").write_text(
+        "import jax.numpy as jnp\n\n"
+        "def loss_fn(model, x):\n"
+        "    return jnp.mean(model(x))\n")
+    spec = importlib.util.spec_from_file_location("user_model", folder / "user_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = eqx.nn.Linear(4, 2, key=jax.random.key(0))
+    model = eqx.tree_at(lambda m: m.weight, model, jnp.full((2, 4), 300.0))
+    finding = jaxmp.find_nonfinite(module.loss_fn)(model, jnp.full((4,), 300.0)).findings[0]
+    assert finding.primitive == "dot_general" and finding.called_from.startswith("user_model.py:4")

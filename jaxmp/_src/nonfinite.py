@@ -43,9 +43,10 @@ _SINGULAR = frozenset({"rsqrt", "sqrt", "div", "log", "pow", "integer_pow", "cbr
 _SUMS = frozenset({"reduce_sum", "cumsum", "reduce_window_sum", "dot_general",
                    "conv_general_dilated", "add_any"})
 _EXPS = frozenset({"exp", "exp2", "expm1", "pow", "integer_pow", "square", "sinh", "cosh"})
-_LIBRARY_DIRS = tuple(
-    os.sep + name + os.sep for name in ("site-packages", "dist-packages", "jaxmp")
-)
+_INSTALLED_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+# jaxmp's own package folder, wherever it is installed or checked out (a user's
+# project folder that happens to be called "jaxmp" is not library code).
+_JAXMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _MAX_PER_PASS = 12
 _MAX_UNDERFLOWS = 4
 # Float32 values this large are sentinels (a mask's -1e30), meant to become -inf.
@@ -210,6 +211,12 @@ def _summary(frame) -> str:
     return f"{os.path.basename(frame.file_name)}:{frame.start_line} ({frame.function_name})"
 
 
+def _in_library(file_name: str) -> bool:
+    """Whether a frame is in installed packages or in jaxmp itself, not in the user's code."""
+    path = os.path.abspath(file_name)
+    return path.startswith(_JAXMP_DIR) or any(d in path for d in _INSTALLED_DIRS)
+
+
 def _locate(eqn, enclosing: Sequence[Any] = ()) -> tuple[str, str]:
     """``(where, called_from)`` for ``eqn``; inside a cached nested ``jit`` (``jnp.var``...)
     JAX may keep no user frame, and the innermost enclosing equation's location is used."""
@@ -221,10 +228,10 @@ def _locate(eqn, enclosing: Sequence[Any] = ()) -> tuple[str, str]:
     if not frames:
         return "unknown", ""
     where = frames[0]
-    if not any(d in where.file_name for d in _LIBRARY_DIRS):
+    if not _in_library(where.file_name):
         return _summary(where), ""
     for frame in frames[1:]:
-        if not any(d in frame.file_name for d in _LIBRARY_DIRS):
+        if not _in_library(frame.file_name):
             return _summary(where), _summary(frame)
     return _summary(where), ""
 
