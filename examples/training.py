@@ -87,3 +87,13 @@ def table(results: dict[str, dict[str, float]]) -> str:
         ("skipped steps", [str(r["skipped_steps"]) for r in runs]),
         ("final loss scale", [f"{r['loss_scale']:g}" for r in runs]),
     ])
+
+
+def main(description: str, train_and_evaluate: Callable[[Any, str], dict[str, float]],
+         argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
+    """The command line of the digits CNN examples: every precision asked for, then one table."""
+    args = cli.parse_args(description, argv, steps=1000, batch_size=64, width=32,
+                          learning_rate=3e-3, seed=0, log_every=50)
+    results = {precision: train_and_evaluate(args, precision) for precision in args.precision}
+    print(table(results))
+    return results

@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import optax
 
 import jaxmp
-from examples import cli
 from examples import digits
 from examples import training
 
@@ -139,11 +138,7 @@ def train_and_evaluate(args, precision: str) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
-    args = cli.parse_args(__doc__, argv, steps=1000, batch_size=64, width=32,
-                          learning_rate=3e-3, seed=0, log_every=50)
-    results = {precision: train_and_evaluate(args, precision) for precision in args.precision}
-    print(training.table(results))
-    return results
+    return training.main(__doc__, train_and_evaluate, argv)
 
 
 if __name__ == "__main__":
