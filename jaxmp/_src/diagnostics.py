@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jaxmp._src import casting
-from jaxmp._src import loss_scale
+from jaxmp._src import host
 
 PyTree = Any
 
@@ -162,7 +162,7 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any
         call_args, call_kwargs = casting.combine(dynamic, static)
         return fn(*call_args, **call_kwargs)
 
-    with loss_scale.no_host_callbacks():  # host callbacks cannot be lowered for another platform
+    with host.no_host_callbacks():  # host callbacks cannot be lowered for another platform
         lowered = jax.jit(call).trace(dynamic).lower(lowering_platforms=(platform,))
     totals: dict[str, int] = {}
     for line in lowered.as_text().splitlines():

@@ -24,7 +24,6 @@ healthy step never calls back to the host.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import warnings
@@ -34,9 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax._src import config as jax_config
 
 from jaxmp._src import casting
+from jaxmp._src import host
 from jaxmp._src import sharding
 
 PyTree = Any
@@ -384,31 +383,6 @@ def check_finite_flag(finite: Any) -> jax.Array:
     return finite
 
 
-# A JAX configuration state, so that it is part of the trace cache key: a step
-# traced with callbacks is traced again, without, inside ``no_host_callbacks``.
-_HOST_CALLBACKS = jax_config.bool_state(
-    "jaxmp_host_callbacks", True,
-    "Whether jaxmp's steps may call back to the host (stuck and overflow messages).",
-    include_in_trace_context=True, include_in_jit_key=True)
-
-
-@contextlib.contextmanager
-def no_host_callbacks():
-    """Within this block, steps traced by jaxmp contain no host callback.
-
-    For programs lowered for another platform than the machine's (the GPU
-    FLOP count of :func:`jaxmp.matmul_flops` on a CPU-only machine): a host
-    callback cannot be lowered there. Training steps never need it.
-    """
-    with _HOST_CALLBACKS(False):
-        yield
-
-
-def host_callbacks_enabled() -> bool:
-    """False inside :func:`no_host_callbacks`: skip the stuck and overflow messages."""
-    return bool(_HOST_CALLBACKS.value)
-
-
 def stuck_message(state: ScalerState, streak: int) -> str:
     """The text a user reads when training is stuck (see :func:`adjust`).
 
@@ -436,12 +410,8 @@ def stuck_message(state: ScalerState, streak: int) -> str:
     )
 
 
-def _report_stuck(settings: ScalerState, fire: Any, streak: Any) -> None:
+def _report_stuck(settings: ScalerState, streak: Any) -> None:
     """Host side of the stuck check; only called on the step that gets stuck."""
-    # Under vmap, lax.cond becomes a select and this runs for every step: check again.
-    fire = np.asarray(fire)
-    if not fire.any():
-        return
     message = stuck_message(settings, int(np.max(np.asarray(streak))))
     if settings.on_stuck == "raise":
         raise TrainingStuckError(message)
@@ -509,7 +479,7 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
         shrunk = jnp.maximum(state.scale * state.backoff_factor, state.min_scale)
         new_scale = jnp.where(grow, grown, jnp.where(back_off, shrunk, state.scale))
     new_scale = new_scale.astype(jnp.float32)
-    if state.on_stuck != "off" and host_callbacks_enabled():
+    if state.on_stuck != "off":
         # Stuck now, and not yet after the previous step (whose result is
         # ``state``): true on exactly one step of a run of overflows.
         floor = jnp.asarray(state.min_scale, jnp.float32)
@@ -518,12 +488,7 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
         fire = stuck & jnp.logical_not(was_stuck)
         # The callback gets the settings only (no traced arrays).
         settings = jax.tree_util.tree_map(lambda _: None, state)
-        jax.lax.cond(
-            fire,
-            lambda f, n: jax.debug.callback(functools.partial(_report_stuck, settings), f, n),
-            lambda f, n: None,
-            fire, streak,
-        )
+        host.call_back_if(fire, functools.partial(_report_stuck, settings), streak)
     return state.replace(
         scale=new_scale,
         steps_since_overflow=since.astype(jnp.int32),

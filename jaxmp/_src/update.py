@@ -14,10 +14,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jaxmp._src import casting
+from jaxmp._src import host
 from jaxmp._src import loss_scale
 
 PyTree = Any
@@ -53,10 +53,8 @@ def select_tree(pred: Any, on_true: PyTree, on_false: PyTree) -> PyTree:
     return jax.tree_util.tree_map(leaf, on_true, on_false)
 
 
-def _warn_update_not_finite(applied: Any) -> None:
+def _warn_update_not_finite() -> None:
     """Host side: only called on a step whose gradients were finite but whose update was not."""
-    if np.asarray(applied).all():  # under vmap every step calls back: check again
-        return
     warnings.warn(
         "jaxmp.optimizer_update: the gradients were finite but the optimizer's update (or the "
         "updated parameters) was not, so the step was skipped. This happens when parameters or "
@@ -161,13 +159,7 @@ def optimizer_update(
     # not finite) and one that overflows the parameters' own dtype.
     update_finite = loss_scale.all_finite(new_floats)
     applied = finite & update_finite
-    if loss_scale.host_callbacks_enabled():
-        jax.lax.cond(
-            finite & jnp.logical_not(update_finite),
-            lambda a: jax.debug.callback(_warn_update_not_finite, a),
-            lambda a: None,
-            applied,
-        )
+    host.call_back_if(finite & jnp.logical_not(update_finite), _warn_update_not_finite)
     params = select_tree(applied, casting.combine(new_floats, rest), params)
     opt_state = select_tree(applied, new_opt_state, opt_state)
     if return_applied:
