@@ -209,9 +209,6 @@ def _wrap(x, kind: str):
     return _Wide(x, kind) if kind else x
 
 
-def _is_half(dtype: Any) -> bool:
-    return casting.is_float_dtype(dtype) and np.dtype(dtype).itemsize < 4
-
 
 def _cast(x: Any, dtype: Any) -> Any:
     if x.dtype == dtype:
@@ -482,11 +479,11 @@ def _recompute_policy(low: frozenset) -> Callable:
         for key in ("new_dtype", "dtype"):
             if key in params and params[key] is not None:
                 try:
-                    return not casting.is_float_dtype(params[key]) or _is_half(params[key])
+                    return not casting.is_float_dtype(params[key]) or casting.is_half_dtype(params[key])
                 except TypeError:
                     break
         dtypes = [a.dtype for a in avals if casting.is_float_dtype(getattr(a, "dtype", None))]
-        return not dtypes or all(_is_half(d) for d in dtypes)
+        return not dtypes or all(casting.is_half_dtype(d) for d in dtypes)
 
     return policy
 
@@ -724,7 +721,7 @@ def autocast(
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if overrides:
         rules = dataclasses.replace(rules, **overrides)
-    recompute = recompute_float32 and _is_half(compute_dtype)
+    recompute = recompute_float32 and casting.is_half_dtype(compute_dtype)
 
     def run_autocast(closed, dyn):
         out_avals = closed.out_avals

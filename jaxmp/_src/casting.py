@@ -35,6 +35,11 @@ def is_float_dtype(dtype: Any) -> bool:
         return False
 
 
+def is_half_dtype(dtype: Any) -> bool:
+    """Whether ``dtype`` is a floating-point dtype narrower than float32 (float16, bfloat16)."""
+    return is_float_dtype(dtype) and np.dtype(dtype).itemsize < 4
+
+
 def wide_dtype(dtype: Any) -> np.dtype:
     """A floating ``dtype`` raised to at least float32 (float64 stays float64)."""
     dtype = np.dtype(dtype)

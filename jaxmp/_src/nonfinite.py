@@ -196,9 +196,6 @@ def _widen(x: Any) -> Any:
     return x if x.dtype == wide else jax.lax.convert_element_type(x, wide)
 
 
-def _is_half(dtype: Any) -> bool:
-    return casting.is_float_dtype(dtype) and np.dtype(dtype).itemsize < 4
-
 
 def _frames(eqn) -> list:
     try:
@@ -301,7 +298,7 @@ class _Shadow(interpret.Interpreter):
         params = dict(eqn.params)
         widened = False
         for key in _DTYPE_PARAMS:
-            if params.get(key) is not None and _is_half(params[key]):
+            if params.get(key) is not None and casting.is_half_dtype(params[key]):
                 params[key] = casting.wide_dtype(params[key])
                 widened = True
         if not widened and all(h is s for h, s in zip(halves, shadows)):
@@ -395,7 +392,7 @@ def _stats(in_h: list, in_s: list, h: np.ndarray, s: np.ndarray) -> tuple:
     nonfinite = int((~np.isfinite(h)).sum())
     shadow_finite = bool(np.isfinite(s).all())
     underflow = 0
-    if _is_half(half_dtype):
+    if casting.is_half_dtype(half_dtype):
         tiny = float(jnp.finfo(half_dtype).smallest_subnormal)
         underflow = int(((h == 0) & (s != 0) & (np.abs(s) < tiny)).sum())
     created = in_finite and nonfinite > 0
@@ -549,7 +546,7 @@ def find_nonfinite(
         autocast=autocast)
     half = casting.canonical_float_dtype(compute_dtype, allowed=casting.COMPUTE_DTYPES,
                                          what="compute_dtype")
-    if not _is_half(half):
+    if not casting.is_half_dtype(half):
         raise ValueError("find_nonfinite compares half precision with float32: compute_dtype "
                          f"must be float16 or bfloat16, got {half.name}.")
 

@@ -182,7 +182,7 @@ def warn_if_half_master_weights(diff: PyTree, state: loss_scale.ScalerState,
         return
     leaves = jax.tree_util.tree_leaves_with_path(diff)
     half = [(path, x) for path, x in leaves
-            if casting.is_float_array(x) and jnp.dtype(x.dtype).itemsize < 4]
+            if casting.is_float_array(x) and casting.is_half_dtype(x.dtype)]
     if not half:
         return
     path, x = half[0]
