@@ -24,6 +24,7 @@ from jaxmp._src.loss_scale import scale
 from jaxmp._src.loss_scale import scaler_for
 from jaxmp._src.loss_scale import ScalerState
 from jaxmp._src.loss_scale import scaler_metrics
+from jaxmp._src.loss_scale import SkippedStepsWarning
 from jaxmp._src.loss_scale import static_scaler
 from jaxmp._src.loss_scale import TrainingStuckError
 from jaxmp._src.loss_scale import TrainingStuckWarning
@@ -69,6 +70,7 @@ __all__ = (
     "scaler_for",
     "ScalerState",
     "scaler_metrics",
+    "SkippedStepsWarning",
     "select_tree",
     "static_scaler",
     "TrainingStuckError",

@@ -162,11 +162,26 @@ def test_infinite_update_leaves_params_and_state_bit_identical(name):
     params, inner_state = jaxmp.optimizer_update(params, inner, inner.init(params), _grads(),
                                                  jnp.asarray(True))
     state = (inner_state,) + tuple(opt.init(params)[1:])
-    with pytest.warns(RuntimeWarning, match="step was skipped"):
+    # float32 parameters: skipped without a message (a step carries a host
+    # callback only when float16 values can overflow; see the test below).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         new_params, new_state, applied = jaxmp.optimizer_update(
             params, opt, state, _grads(), jnp.asarray(True), return_applied=True)
     assert not bool(applied)
     assert _bits(new_params) == _bits(params) and _bits(new_state) == _bits(state)
+
+
+def test_float16_update_overflow_is_skipped_and_said():
+    opt = optax.sgd(1.0)
+    params = {"w": jnp.full(3, 60000.0, jnp.float16)}
+    grads = {"w": jnp.full(3, -1e4, jnp.float16)}
+    with pytest.warns(RuntimeWarning, match="step was skipped"):
+        new_params, _, applied = jax.jit(
+            jaxmp.optimizer_update, static_argnums=1, static_argnames="return_applied")(
+                params, opt, opt.init(params), grads, jnp.asarray(True), return_applied=True)
+    assert not bool(applied)
+    assert _bits(new_params) == _bits(params)
 
 
 def test_applied_flag_and_two_tuple_by_default():
@@ -319,9 +334,14 @@ def test_step_with_messages_still_lowers_for_a_gpu_on_this_machine():
 
     w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
     args = (w, opt.init(w), jaxmp.init_scaler(), x)
-    step(*args)  # traced and cached with the callbacks
-    assert "callback" in str(jax.make_jaxpr(step)(*args))
-    flops = jaxmp.matmul_flops(step, *args, platform="cuda")
-    assert set(flops) == {"float16"}
-    step(*args)  # and training still has them
-    assert "callback" in str(jax.make_jaxpr(step)(*args))
+    assert "callback" not in str(jax.make_jaxpr(step)(*args))  # float32 master weights: none
+    # float16 parameters (and so float16 Adam moments) carry the update-overflow message.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the half-master-weights warning
+        args = (w.astype(jnp.float16), opt.init(w.astype(jnp.float16)), jaxmp.init_scaler(), x)
+        step(*args)  # traced and cached with the callback
+        assert "callback" in str(jax.make_jaxpr(step)(*args))
+        flops = jaxmp.matmul_flops(step, *args, platform="cuda")
+        assert set(flops) == {"float16"}
+        step(*args)  # and training still has it
+        assert "callback" in str(jax.make_jaxpr(step)(*args))

@@ -117,7 +117,7 @@ def accumulate_value_and_grad(
     compute_dtype: Any = jnp.float16,
     use_mixed_precision: bool = True,
     axis_name: Any = None,
-    autocast: bool = False,
+    autocast: bool = True,
     reduce_dtype: Any = None,
 ) -> Callable:
     """Like :func:`jaxmp.mp_value_and_grad`, accumulated over micro-batches.

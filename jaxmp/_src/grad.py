@@ -18,7 +18,7 @@ def mp_value_and_grad(
     compute_dtype: Any = jnp.float16,
     use_mixed_precision: bool = True,
     axis_name: Any = None,
-    autocast: bool = False,
+    autocast: bool = True,
     reduce_dtype: Any = None,
 ) -> Callable:
     """Like ``jax.value_and_grad``, in mixed precision with loss scaling.

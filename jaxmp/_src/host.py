@@ -1,13 +1,29 @@
-"""Messages from inside a traced step: host callbacks that only a bad step makes.
+"""Messages about training, said on the host without slowing healthy steps.
 
-jaxmp says when training is stuck (:func:`jaxmp.adjust`) and when an
-optimizer's update overflows (:func:`jaxmp.optimizer_update`) from inside the
-jitted step. Both go through :func:`call_back_if`: a ``jax.debug.callback``
-under ``lax.cond``, so a healthy step never calls back to the host.
+A compiled step cannot print without a host callback, and a callback costs
+every step: on a CPU about half a millisecond even under a ``lax.cond`` that
+never fires, on a GPU a wait for the predicate. jaxmp therefore says most of
+what it has to say from the *state the step returns*:
+
+* :func:`watch` is called whenever a concrete :class:`jaxmp.ScalerState` is
+  built on the host, which includes every time a jitted step returns one. It
+  keeps a few words computed from the state (a new array, because a training
+  loop usually donates the state to the next step) and reads them once they are
+  ready: at the latest two states later, so the host never waits for the step
+  it has just dispatched. When the alarm is set, the state's ``check`` says
+  why (a warning or an error). At interpreter exit the last states are read.
+* :func:`call_back_if` is the callback under ``lax.cond``, for the one message
+  that no returned state can carry (an optimizer update that overflows
+  float16 parameters); it is traced only where that can happen.
+
+:func:`no_host_callbacks` removes the callbacks from steps traced inside it,
+for programs lowered for another platform.
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
 import contextlib
 from typing import Any, Callable
 
@@ -15,12 +31,66 @@ import jax
 import numpy as np
 from jax._src import config as jax_config
 
+# Checked states, oldest first: (copy of the alarm word, the check to run).
+_PENDING: collections.deque = collections.deque()
+# How many unread states may wait: the host dispatches the next step before it
+# reads the one just returned, and reads it at the latest this many steps later.
+MAX_PENDING = 2
+
 # A JAX configuration state, so that it is part of the trace cache key: a step
 # traced with callbacks is traced again, without, inside ``no_host_callbacks``.
 _HOST_CALLBACKS = jax_config.bool_state(
     "jaxmp_host_callbacks", True,
-    "Whether jaxmp's steps may call back to the host (stuck and overflow messages).",
+    "Whether jaxmp's steps may call back to the host (the float16 update-overflow message).",
     include_in_trace_context=True, include_in_jit_key=True)
+
+
+def is_concrete_array(x: Any) -> bool:
+    """Whether ``x`` is a jax.Array with a value (not a tracer, not a shape)."""
+    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+
+
+def watch(alarm: jax.Array, check: Callable[[np.ndarray], None]) -> None:
+    """Reads ``alarm`` once it is computed, then calls ``check(value)`` with its value.
+
+    ``alarm`` must be an array of the caller's own (computed from the state,
+    not one of its leaves), so that donating the state does not delete it.
+
+    Earlier watched alarms that are ready are read first (and raise or warn
+    from here); if more than :data:`MAX_PENDING` wait, the oldest is waited for.
+    """
+    _PENDING.append((alarm, check))
+    while _PENDING and (len(_PENDING) > MAX_PENDING or _is_ready(_PENDING[0][0])):
+        _read(*_PENDING.popleft())
+
+
+def flush() -> None:
+    """Reads every watched alarm now, waiting for the steps that compute them."""
+    while _PENDING:
+        _read(*_PENDING.popleft())
+
+
+def _is_ready(x: jax.Array) -> bool:
+    try:
+        return x.is_ready()
+    except RuntimeError:
+        return True  # deleted: _read drops it
+
+
+def _read(alarm: jax.Array, check: Callable[[np.ndarray], None]) -> None:
+    try:
+        value = np.asarray(alarm.addressable_data(0))
+    except RuntimeError:  # deleted, or the backend is gone (interpreter exit)
+        return
+    check(value)
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    try:
+        flush()
+    except Exception:  # pylint: disable=broad-except
+        pass  # a message at exit must never turn a finished run into a failure
 
 
 @contextlib.contextmanager

@@ -14,12 +14,13 @@ Three modes share the one state type:
 * ``"none"`` (:func:`noop_scaler`): no scaling at all, for bfloat16 or float32;
   finiteness is still tracked so that non-finite steps are skipped.
 
-Every mode also watches for *stuck* training: when the scale sits at its
-minimum and steps keep overflowing, no step can ever be applied again.
-:func:`adjust` then says so once (a :class:`TrainingStuckWarning` by default,
-an error or nothing, by the ``on_stuck`` setting), from inside the step: a
-``jax.debug.callback`` under ``lax.cond`` that runs only on that step, so a
-healthy step never calls back to the host.
+Every mode also watches for training that goes wrong: *stuck* training (the
+scale sits at its minimum and every step overflows, so no step can ever be
+applied again) and *frequent skips* (a third of the recent steps skipped).
+:func:`adjust` records either in the state's ``alarm``, and jaxmp says so once
+(a :class:`TrainingStuckWarning` or :class:`SkippedStepsWarning` by default, an
+error or nothing, by the ``on_stuck`` setting) when the state comes back to the
+host: the step itself contains no host callback, so healthy steps pay nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ PyTree = Any
 
 _FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
 ON_STUCK = ("warn", "raise", "off")
+# Frequent skips: at least this many of the last SKIP_WINDOW steps skipped
+# (counted from the first finite step, so the scale's first descent is not).
+SKIP_WINDOW = 64
+FREQUENT_SKIPS = 22
+# Bits of ScalerState.alarm.
+STUCK = 1
+FREQUENT = 2
 
 
 class TrainingStuckWarning(RuntimeWarning):
@@ -61,21 +69,44 @@ class TrainingStuckWarning(RuntimeWarning):
     """
 
 
+class SkippedStepsWarning(RuntimeWarning):
+    """Issued once when a third of the recent steps were skipped (non-finite gradients).
+
+    Intermittent overflows that lowering the scale does not cure: each skipped
+    step throws away a batch. Controlled, like :class:`TrainingStuckWarning`,
+    by the scaler's ``on_stuck`` setting (``"raise"`` raises a
+    :class:`TrainingStuckError` with the same message).
+
+    Examples:
+        >>> import warnings
+        >>> import jax
+        >>> import jaxmp
+        >>> state, step = jaxmp.noop_scaler(), jax.jit(jaxmp.adjust)
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     for i in range(90):
+        ...         state = step(state, i % 2 == 0)  # every other step is skipped
+        >>> [type(w.message).__name__ for w in caught]
+        ['SkippedStepsWarning']
+    """
+
+
 class TrainingStuckError(RuntimeError):
     """Raised (with ``on_stuck="raise"``) when every step overflows at the minimum loss scale.
 
-    It is raised on the host by a callback of the step, so it reaches the
-    caller wrapped in JAX's runtime error (``jax.errors.JaxRuntimeError``, a
-    ``RuntimeError``), inside ``jit`` or not, whose message contains this one.
+    It is raised on the host when the stuck state comes back from the step:
+    by the call that returns a later state, at most two steps after the stuck
+    one (jaxmp reads a state once its step has finished, so that the host
+    never waits for the step it has just started).
 
     Examples:
         >>> import jaxmp
         >>> state = jaxmp.init_scaler(initial_scale=1.0, stuck_after=2, on_stuck="raise")
         >>> try:
-        ...     for _ in range(3):
+        ...     for _ in range(5):
         ...         state = jaxmp.adjust(state, False)
-        ... except RuntimeError as error:
-        ...     print("TrainingStuckError: jaxmp: training is stuck." in str(error))
+        ... except jaxmp.TrainingStuckError as error:
+        ...     print(str(error).startswith("jaxmp: training is stuck."))
         True
     """
 
@@ -95,6 +126,14 @@ class ScalerState:
         overflow_streak: int32 scalar, consecutive non-finite steps (for
             hysteresis).
         skipped_steps: int32 scalar, total number of non-finite (skipped) steps.
+        steps: int32 scalar, total number of steps (finite or not).
+        recent: uint32 ``[2]``, one bit per step of the last 64, set for a
+            skipped step (from the first finite step on).
+        alarm: int32 scalar, what went wrong at this step: 1 (stuck), 2
+            (frequent skips), 3 (both) or 0; jaxmp reads it on the host and
+            says what it means.
+        alarm_step: int32 scalar, the value of ``steps`` when ``alarm`` last
+            changed, so that each alarm is said once.
         mode: ``"dynamic"``, ``"static"`` or ``"none"`` (static field).
         growth_interval, growth_factor, backoff_factor, min_scale, max_scale,
         hysteresis: the settings (static fields).
@@ -123,6 +162,10 @@ class ScalerState:
     steps_since_overflow: jax.Array
     overflow_streak: jax.Array
     skipped_steps: jax.Array
+    steps: jax.Array
+    recent: jax.Array
+    alarm: jax.Array
+    alarm_step: jax.Array
     mode: str = struct.field(pytree_node=False, default="dynamic")
     growth_interval: int = struct.field(pytree_node=False, default=2000)
     growth_factor: float = struct.field(pytree_node=False, default=2.0)
@@ -132,6 +175,16 @@ class ScalerState:
     hysteresis: int = struct.field(pytree_node=False, default=1)
     on_stuck: str = struct.field(pytree_node=False, default="warn")
     stuck_after: int = struct.field(pytree_node=False, default=10)
+
+    def __post_init__(self):
+        # Every concrete state built on the host, including each one a jitted
+        # step returns, is read once its step has run (see jaxmp/_src/host.py).
+        if self.on_stuck != "off" and host.is_concrete_array(self.alarm):
+            host.watch(_alarm_words(self), functools.partial(_say_alarm, self.settings()))
+
+    def settings(self) -> "ScalerState":
+        """The static fields alone (every array field ``None``)."""
+        return jax.tree_util.tree_map(lambda _: None, self)
 
 
 def _check_number(name: str, value: Any, *, integer: bool = False) -> float | int:
@@ -168,6 +221,10 @@ def _make_state(initial_scale, mode, *, on_stuck, stuck_after, **settings) -> Sc
         steps_since_overflow=jnp.zeros((), jnp.int32),
         overflow_streak=jnp.zeros((), jnp.int32),
         skipped_steps=jnp.zeros((), jnp.int32),
+        steps=jnp.zeros((), jnp.int32),
+        recent=jnp.zeros((2,), jnp.uint32),
+        alarm=jnp.zeros((), jnp.int32),
+        alarm_step=jnp.zeros((), jnp.int32),
         mode=mode,
         on_stuck=on_stuck,
         stuck_after=stuck_after,
@@ -410,12 +467,57 @@ def stuck_message(state: ScalerState, streak: int) -> str:
     )
 
 
-def _report_stuck(settings: ScalerState, streak: Any) -> None:
-    """Host side of the stuck check; only called on the step that gets stuck."""
-    message = stuck_message(settings, int(np.max(np.asarray(streak))))
-    if settings.on_stuck == "raise":
-        raise TrainingStuckError(message)
-    warnings.warn(message, TrainingStuckWarning, stacklevel=1)
+def skips_message(state: ScalerState, skipped: int) -> str:
+    """The text a user reads when many recent steps were skipped (see :func:`adjust`)."""
+    return (
+        f"jaxmp: {skipped} of the last {SKIP_WINDOW} steps were skipped (non-finite "
+        f"gradients; the loss scale is now {_scale_words(state)}). Each skipped step throws "
+        "its batch away, and overflows that keep coming back are not cured by the scale: "
+        "an operation overflows now and then in this precision (a loss computed in half "
+        "precision, a softmax, a normalisation of large activations, random draws far in "
+        "the tail).\n"
+        "  Find the operation:  print(jaxmp.find_nonfinite(loss_fn, compute_dtype=...)"
+        "(params, *batch))  on a batch whose step was skipped\n"
+        "  Then fix it with one of: autocast=True (the default of mp_value_and_grad) "
+        "rather than autocast=False; jaxmp.force_full_precision around the overflowing "
+        "code; compute_dtype=jnp.bfloat16 (float32's range).\n"
+        f"  (Said once; the scaler's on_stuck='{state.on_stuck}' setting: "
+        "'warn', 'raise' or 'off'.)"
+    )
+
+
+def _scale_words(state: ScalerState) -> str:
+    return "not used" if state.mode == "none" else f"in [{state.min_scale:g}, {state.max_scale:g}]"
+
+
+@jax.jit
+def _alarm_words(state: ScalerState) -> jax.Array:
+    """What the host needs to say an alarm: one row per scaler (``vmap`` makes several)."""
+    skipped = (jax.lax.population_count(state.recent).astype(jnp.int32)).sum(axis=-1)
+    words = [state.alarm, state.alarm_step, state.steps, state.overflow_streak, skipped]
+    return jnp.stack([jnp.ravel(w) for w in words], axis=-1)
+
+
+# Alarms already said, as (alarm, alarm_step). A state from an earlier step
+# than one of them belongs to another run (or a run resumed from a checkpoint),
+# whose alarms are its own: seeing one forgets those.
+_SAID: set = set()
+
+
+def _say_alarm(settings: ScalerState, words: np.ndarray) -> None:
+    """Host side: says what a state's ``alarm`` means, once per alarm."""
+    for alarm, alarm_step, steps, streak, skipped in np.asarray(words).reshape(-1, 5).tolist():
+        _SAID.difference_update([key for key in _SAID if key[1] > steps])
+        if not alarm or (alarm, alarm_step) in _SAID:
+            continue
+        _SAID.add((alarm, alarm_step))
+        if alarm & STUCK:
+            message, category = stuck_message(settings, streak), TrainingStuckWarning
+        else:
+            message, category = skips_message(settings, skipped), SkippedStepsWarning
+        if settings.on_stuck == "raise":
+            raise TrainingStuckError(message)
+        warnings.warn(message, category, stacklevel=1)
 
 
 def adjust(state: ScalerState, finite: Any) -> ScalerState:
@@ -425,14 +527,17 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
     The result has exactly the type of ``state`` (same dtypes, same settings),
     so a scan carry or a jit cache never sees a new type.
 
-    It also detects stuck training: on the first step at which the last
-    ``state.stuck_after`` steps have all overflowed *and* the scale is at
-    ``min_scale``, it warns (``on_stuck="warn"``, a
-    :class:`TrainingStuckWarning`), raises (``"raise"``, a
-    :class:`TrainingStuckError`) or does nothing (``"off"``). The message
-    says what to do. It is said once per stuck run (the next finite step
-    starts a new count), through a ``jax.debug.callback`` that only the stuck
-    step executes: healthy steps never call back to the host.
+    It also watches for training that goes wrong, and records it in the
+    state's ``alarm``: *stuck* training (the last ``state.stuck_after`` steps
+    all overflowed *and* the scale is at ``min_scale``) and *frequent skips*
+    (at least 22 of the last 64 steps skipped, counted from the first finite
+    step, so the scale's first descent does not count). When the state comes
+    back to the host, jaxmp warns (``on_stuck="warn"``: a
+    :class:`TrainingStuckWarning` or a :class:`SkippedStepsWarning`), raises
+    (``"raise"``, a :class:`TrainingStuckError`) or does nothing (``"off"``),
+    with what to do. Each is said once (a finite step ends a stuck run). The
+    step contains no host callback: jaxmp reads the alarm from the returned
+    state once the step has run, at the latest two steps later.
 
     Args:
         state: a :class:`ScalerState`.
@@ -471,6 +576,7 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
     since = jnp.where(finite, state.steps_since_overflow + one, zero)
     streak = jnp.where(finite, zero, state.overflow_streak + one)
     skipped = state.skipped_steps + jnp.where(finite, zero, one)
+    steps = state.steps + one
     new_scale = state.scale
     if state.mode == "dynamic":
         grow = finite & (since % state.growth_interval == 0)
@@ -479,21 +585,26 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
         shrunk = jnp.maximum(state.scale * state.backoff_factor, state.min_scale)
         new_scale = jnp.where(grow, grown, jnp.where(back_off, shrunk, state.scale))
     new_scale = new_scale.astype(jnp.float32)
+    # The last 64 steps, one bit each (a skip after the first finite step).
+    bit = (jnp.logical_not(finite) & (skipped < steps)).astype(jnp.uint32)
+    low, high = state.recent[..., 0], state.recent[..., 1]
+    recent = jnp.stack([(low << 1) | bit, (high << 1) | (low >> 31)], axis=-1)
+    alarm = zero
     if state.on_stuck != "off":
-        # Stuck now, and not yet after the previous step (whose result is
-        # ``state``): true on exactly one step of a run of overflows.
         floor = jnp.asarray(state.min_scale, jnp.float32)
         stuck = (streak >= state.stuck_after) & (new_scale <= floor)
-        was_stuck = (state.overflow_streak >= state.stuck_after) & (state.scale <= floor)
-        fire = stuck & jnp.logical_not(was_stuck)
-        # The callback gets the settings only (no traced arrays).
-        settings = jax.tree_util.tree_map(lambda _: None, state)
-        host.call_back_if(fire, functools.partial(_report_stuck, settings), streak)
+        n_skipped = jax.lax.population_count(recent).astype(jnp.int32).sum(axis=-1)
+        alarm = (jnp.where(stuck, STUCK, 0) | jnp.where(n_skipped >= FREQUENT_SKIPS, FREQUENT, 0))
+    alarm_step = jnp.where(alarm != state.alarm, steps, state.alarm_step)
     return state.replace(
         scale=new_scale,
         steps_since_overflow=since.astype(jnp.int32),
         overflow_streak=streak.astype(jnp.int32),
         skipped_steps=skipped.astype(jnp.int32),
+        steps=steps.astype(jnp.int32),
+        recent=recent,
+        alarm=jnp.asarray(alarm, jnp.int32),
+        alarm_step=alarm_step.astype(jnp.int32),
     )
 
 
@@ -522,8 +633,14 @@ def all_finite(tree: PyTree, axis_name: Any = None) -> jax.Array:
     """
     leaves = [x for x in jax.tree_util.tree_leaves(tree) if casting.is_float_array(x)]
     finite = jnp.asarray(True)
-    for x in leaves:
-        finite = finite & jnp.all(jnp.isfinite(x))
+    if leaves:
+        # One flag per leaf, counted by a dot product. XLA rewrites a reduction
+        # over stacked scalars into a chain of one ``and`` per leaf, then copies
+        # that chain into every consumer of the flag (each select of
+        # optimizer_update): twice the optimised program of a ViT step. A dot
+        # is not fused into its consumers, so the flag is computed once.
+        flags = jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).astype(jnp.float32)
+        finite = jnp.dot(flags, jnp.ones_like(flags)) == len(leaves)
     axes = None if axis_name is None else sharding.check_bound(axis_name)
     # pmin over devices: one device with a non-finite value makes all agree.
     return sharding.verdict(finite, axes)

@@ -491,7 +491,7 @@ def find_nonfinite(
     compute_dtype: Any = jnp.float16,
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
-    autocast: bool = False,
+    autocast: bool = True,
     no_cast_argnums: int | Sequence[int] = (),
 ) -> Callable[..., NonfiniteReport]:
     """Finds the operations that overflow in half precision, forward and backward.

@@ -84,9 +84,11 @@ def optimizer_update(
     optimizer that overflows by itself (e.g. Adam's moments kept in float16)
     cannot write ``inf`` or ``NaN`` into the parameters. A skipped step
     returns the parameters and the optimizer state (moments, step counts,
-    schedules) bit-for-bit identical: it leaves no trace. When the gradients
-    were finite but the update was not, a ``RuntimeWarning`` says why, from
-    inside the step (a ``jax.debug.callback`` that healthy steps never run).
+    schedules) bit-for-bit identical: it leaves no trace. When float16
+    parameters or optimizer state make the update overflow on finite
+    gradients, a ``RuntimeWarning`` says why, from inside the step (a
+    ``jax.debug.callback`` under ``lax.cond``, traced only when some leaf is
+    float16: float32 and bfloat16 steps carry no callback).
 
     Only the floating-point array leaves of ``params`` are given to the
     optimizer and updated; every other leaf (integer arrays, ``None``, the
@@ -159,12 +161,25 @@ def optimizer_update(
     # not finite) and one that overflows the parameters' own dtype.
     update_finite = loss_scale.all_finite(new_floats)
     applied = finite & update_finite
-    host.call_back_if(finite & jnp.logical_not(update_finite), _warn_update_not_finite)
+    if _can_overflow(floats, new_opt_state):  # float16 values: say it from the step
+        host.call_back_if(finite & jnp.logical_not(update_finite), _warn_update_not_finite)
     params = select_tree(applied, casting.combine(new_floats, rest), params)
     opt_state = select_tree(applied, new_opt_state, opt_state)
     if return_applied:
         return params, opt_state, applied
     return params, opt_state
+
+
+def _can_overflow(*trees: PyTree) -> bool:
+    """Whether an update of these trees may overflow where float32 would not (float16 leaves).
+
+    Only then is the host callback of :func:`optimizer_update` traced: with
+    float32 (or bfloat16, which has float32's range) parameters and state, an
+    update is not finite only when the optimizer itself divides by zero, and
+    the skipped step is then counted nowhere but in ``applied``.
+    """
+    return any(casting.is_float_array(x) and jnp.dtype(x.dtype) == jnp.float16
+               for x in jax.tree_util.tree_leaves(trees))
 
 
 def warn_if_half_master_weights(diff: PyTree, state: loss_scale.ScalerState,
