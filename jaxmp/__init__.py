@@ -11,6 +11,7 @@ from jaxmp._src.casting import cast_to_half_precision
 from jaxmp._src.casting import cast_tree
 from jaxmp._src.casting import force_full_precision
 from jaxmp._src.casting import is_float_array
+from jaxmp._src.census import MostlyFloat32Warning
 from jaxmp._src.diagnostics import half_matmul_flop_share
 from jaxmp._src.diagnostics import matmul_flops
 from jaxmp._src.diagnostics import saved_activation_bytes
@@ -60,6 +61,7 @@ __all__ = (
     "is_float_array",
     "matmul_flops",
     "mp_grad",
+    "MostlyFloat32Warning",
     "mp_value_and_grad",
     "noop_scaler",
     "NonfiniteReport",

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmp._src import casting
+from jaxmp._src import census
 from jaxmp._src import loss_scale
 from jaxmp._src import sharding
 from jaxmp._src import update
@@ -176,6 +177,9 @@ class Step:
     use_mixed_precision: bool
     axis_name: Any
     reduce_dtype: Any = None
+    # Not empty once the first trace has counted the half-precision products
+    # of the cast-inputs path (census.warn_if_mostly_float32): said once.
+    checked_half_share: list = dataclasses.field(default_factory=list, compare=False)
 
     @classmethod
     def create(
@@ -272,6 +276,10 @@ class Step:
             cast, kwargs = casting.cast_tree((cast, kwargs), self.input_dtype)
             it = iter(cast)
             args = [a if i in keep else next(it) for i, a in enumerate(args)]
+        if casting.is_half_dtype(self.input_dtype) and not self.checked_half_share:
+            self.checked_half_share.append(True)  # on the first trace only
+            closed = jax.make_jaxpr(lambda: self.call(*args, **kwargs))()
+            census.warn_if_mostly_float32(closed, self.input_dtype, self.api)
         loss, aux = split_aux(self.call(*args, **kwargs), self.has_aux)
         loss = check_loss(loss).astype(jnp.float32)
         if not self.use_mixed_precision:

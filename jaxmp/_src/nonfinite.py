@@ -26,13 +26,13 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import source_info_util
 from jax.extend import core as jex_core
 
 from jaxmp._src import casting
 from jaxmp._src import kernel
 from jaxmp._src import interpret
 from jaxmp._src import loss_scale
+from jaxmp._src import source
 
 PyTree = Any
 
@@ -43,10 +43,8 @@ _SINGULAR = frozenset({"rsqrt", "sqrt", "div", "log", "pow", "integer_pow", "cbr
 _SUMS = frozenset({"reduce_sum", "cumsum", "reduce_window_sum", "dot_general",
                    "conv_general_dilated", "add_any"})
 _EXPS = frozenset({"exp", "exp2", "expm1", "pow", "integer_pow", "square", "sinh", "cosh"})
-_INSTALLED_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 # jaxmp's own package folder, wherever it is installed or checked out (a user's
 # project folder that happens to be called "jaxmp" is not library code).
-_JAXMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _MAX_PER_PASS = 12
 _MAX_UNDERFLOWS = 4
 # Float32 values this large are sentinels (a mask's -1e30), meant to become -inf.
@@ -197,42 +195,6 @@ def _widen(x: Any) -> Any:
 
 
 
-def _frames(eqn) -> list:
-    try:
-        return list(source_info_util.user_frames(eqn.source_info.traceback))
-    except Exception:  # pylint: disable=broad-except  (private JAX API: degrade, never fail)
-        return []
-
-
-def _summary(frame) -> str:
-    return f"{os.path.basename(frame.file_name)}:{frame.start_line} ({frame.function_name})"
-
-
-def _in_library(file_name: str) -> bool:
-    """Whether a frame is in installed packages or in jaxmp itself, not in the user's code."""
-    path = os.path.abspath(file_name)
-    return path.startswith(_JAXMP_DIR) or any(d in path for d in _INSTALLED_DIRS)
-
-
-def _locate(eqn, enclosing: Sequence[Any] = ()) -> tuple[str, str]:
-    """``(where, called_from)`` for ``eqn``; inside a cached nested ``jit`` (``jnp.var``...)
-    JAX may keep no user frame, and the innermost enclosing equation's location is used."""
-    frames = _frames(eqn)
-    for outer in reversed(enclosing):
-        if frames:
-            break
-        frames = _frames(outer)
-    if not frames:
-        return "unknown", ""
-    where = frames[0]
-    if not _in_library(where.file_name):
-        return _summary(where), ""
-    for frame in frames[1:]:
-        if not _in_library(frame.file_name):
-            return _summary(where), _summary(frame)
-    return _summary(where), ""
-
-
 class _Site(NamedTuple):
     """The static description of one equation that went wrong."""
 
@@ -325,7 +287,7 @@ class _Shadow(interpret.Interpreter):
     def _site(self, eqn, index: int, out) -> int:
         key = (id(eqn), index)
         if key not in self.site_of:
-            where, called_from = _locate(eqn, self.enclosing[:-1])
+            where, called_from = source.locate(eqn, self.enclosing[:-1])
             self.site_of[key] = len(self.sites)
             self.sites.append(_Site(len(self.sites), eqn.primitive.name, where, called_from,
                                     np.dtype(out.dtype).name, int(np.prod(out.shape)),

@@ -75,14 +75,20 @@ def optimizer_update(
     finite: Any,
     *,
     return_applied: bool = False,
+    check_update: bool | None = None,
     **extra_args: Any,
 ) -> tuple[PyTree, PyTree] | tuple[PyTree, PyTree, jax.Array]:
     """Applies one optax step if it is finite; otherwise returns the inputs unchanged.
 
     The step is applied only when ``finite`` is true (the gradients are
-    finite) *and* the updated floating-point parameters are all finite, so an
+    finite) *and*, when parameters or optimizer state are kept in half
+    precision, the updated floating-point parameters are all finite, so an
     optimizer that overflows by itself (e.g. Adam's moments kept in float16)
-    cannot write ``inf`` or ``NaN`` into the parameters. A skipped step
+    cannot write ``inf`` or ``NaN`` into the parameters. With float32
+    parameters and state a finite gradient gives a finite update unless the
+    optimizer divides by zero (``eps=0``) or its learning rate is absurd;
+    ``check_update=True`` checks those too, at the cost of reading every
+    updated parameter once more. A skipped step
     returns the parameters and the optimizer state (moments, step counts,
     schedules) bit-for-bit identical: it leaves no trace. When float16
     parameters or optimizer state make the update overflow on finite
@@ -109,6 +115,10 @@ def optimizer_update(
         return_applied: also return whether the step was applied. Off by
             default so that ``params, opt_state = optimizer_update(...)``
             keeps working.
+        check_update: whether to skip the step when the updated parameters
+            are not finite although the gradients are. ``None`` (default):
+            when some floating leaf of the parameters or of the optimizer
+            state is float16 or bfloat16.
         **extra_args: passed to ``optimizer.update``, for transformations that
             need them: ``value=loss`` for ``optax.contrib.reduce_on_plateau``,
             ``value=``, ``grad=`` and ``value_fn=`` for ``optax.lbfgs``. A
@@ -145,6 +155,8 @@ def optimizer_update(
     finite = loss_scale.check_finite_flag(finite)
     if not isinstance(return_applied, bool):
         raise TypeError(f"return_applied must be True or False, got {return_applied!r}.")
+    if check_update is not None and not isinstance(check_update, bool):
+        raise TypeError(f"check_update must be None, True or False, got {check_update!r}.")
     floats, rest = casting.partition(params)
     if "value_fn" in extra_args and callable(extra_args["value_fn"]):
         value_fn = extra_args["value_fn"]
@@ -157,12 +169,16 @@ def optimizer_update(
     with jax.numpy_dtype_promotion("standard"):
         updates, new_opt_state = optimizer.update(grads, opt_state, floats, **extra_args)
         new_floats = optax.apply_updates(floats, updates)
-    # Checking the updated parameters covers a non-finite update (p + inf is
-    # not finite) and one that overflows the parameters' own dtype.
-    update_finite = loss_scale.all_finite(new_floats)
-    applied = finite & update_finite
-    if _can_overflow(floats, new_opt_state):  # float16 values: say it from the step
-        host.call_back_if(finite & jnp.logical_not(update_finite), _warn_update_not_finite)
+    if check_update is None:
+        check_update = _has_dtype((floats, new_opt_state), (jnp.float16, jnp.bfloat16))
+    applied = finite
+    if check_update:
+        # The updated parameters: covers a non-finite update (p + inf is not
+        # finite) and one that overflows the parameters' own dtype.
+        update_finite = loss_scale.all_finite(new_floats)
+        applied = finite & update_finite
+        if _has_dtype((floats, new_opt_state), (jnp.float16,)):  # say it from the step
+            host.call_back_if(finite & jnp.logical_not(update_finite), _warn_update_not_finite)
     params = select_tree(applied, casting.combine(new_floats, rest), params)
     opt_state = select_tree(applied, new_opt_state, opt_state)
     if return_applied:
@@ -170,16 +186,16 @@ def optimizer_update(
     return params, opt_state
 
 
-def _can_overflow(*trees: PyTree) -> bool:
-    """Whether an update of these trees may overflow where float32 would not (float16 leaves).
+def _has_dtype(tree: PyTree, dtypes: tuple) -> bool:
+    """Whether some floating array leaf of ``tree`` has one of ``dtypes``.
 
-    Only then is the host callback of :func:`optimizer_update` traced: with
-    float32 (or bfloat16, which has float32's range) parameters and state, an
-    update is not finite only when the optimizer itself divides by zero, and
-    the skipped step is then counted nowhere but in ``applied``.
+    float16 values make the update's own overflow likely, so only then does
+    the step carry the host callback that says so; bfloat16 has float32's
+    range but rounds coarsely, so its updates are still checked.
     """
-    return any(casting.is_float_array(x) and jnp.dtype(x.dtype) == jnp.float16
-               for x in jax.tree_util.tree_leaves(trees))
+    dtypes = {jnp.dtype(d) for d in dtypes}
+    return any(casting.is_float_array(x) and jnp.dtype(x.dtype) in dtypes
+               for x in jax.tree_util.tree_leaves(tree))
 
 
 def warn_if_half_master_weights(diff: PyTree, state: loss_scale.ScalerState,

@@ -1,0 +1,61 @@
+"""Where an operation of a traced function comes from, in the user's code.
+
+jaxmp's messages name the user's file and line, never jaxmp's own or an
+installed package's: a matrix product inside ``flax.linen.Dense`` is reported
+at the Dense layer's call in the user's model.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+from jax._src import source_info_util
+
+_INSTALLED_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+_JAXMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def frames(eqn) -> list:
+    """The user frames of ``eqn``'s traceback, innermost first ([] when unknown)."""
+    try:
+        return list(source_info_util.user_frames(eqn.source_info.traceback))
+    except Exception:  # pylint: disable=broad-except  (private JAX API: degrade, never fail)
+        return []
+
+
+def summary(frame) -> str:
+    return f"{os.path.basename(frame.file_name)}:{frame.start_line} ({frame.function_name})"
+
+
+def in_library(file_name: str) -> bool:
+    """Whether a frame is in installed packages or in jaxmp itself, not in the user's code."""
+    path = os.path.abspath(file_name)
+    return path.startswith(_JAXMP_DIR) or any(d in path for d in _INSTALLED_DIRS)
+
+
+def locate(eqn, enclosing: Sequence[Any] = ()) -> tuple[str, str]:
+    """``(where, called_from)`` for ``eqn``; inside a cached nested ``jit`` (``jnp.var``...)
+    JAX may keep no user frame, and the innermost enclosing equation's location is used.
+    ``where`` is the innermost frame; ``called_from`` the first frame in the user's code
+    when ``where`` is in a library ("" otherwise)."""
+    found = frames(eqn)
+    for outer in reversed(enclosing):
+        if found:
+            break
+        found = frames(outer)
+    if not found:
+        return "unknown", ""
+    where = found[0]
+    if not in_library(where.file_name):
+        return summary(where), ""
+    for frame in found[1:]:
+        if not in_library(frame.file_name):
+            return summary(where), summary(frame)
+    return summary(where), ""
+
+
+def user_location(eqn, enclosing: Sequence[Any] = ()) -> str:
+    """The first place in the user's code that ``eqn`` comes from, for a message."""
+    where, called_from = locate(eqn, enclosing)
+    return called_from or where
