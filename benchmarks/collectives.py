@@ -118,12 +118,15 @@ def build(devices: int, width: int, depth: int, batch: int):
     steps = {}
 
     def jit_step(params, reduce_dtype, mixed=True):
-        fn = jaxmp.mp_value_and_grad(mlp, reduce_dtype=reduce_dtype, use_mixed_precision=mixed)
+        # The cast-inputs path (autocast=False): its collectives are those of a step whose
+        # parameters are cast before the model sees them, as the figures in README describe.
+        fn = jaxmp.mp_value_and_grad(mlp, reduce_dtype=reduce_dtype, use_mixed_precision=mixed,
+                                     autocast=False)
         return jax.jit(lambda p, x, y, s: fn(p, x, y, scaler_state=s)), (params, xs, ys, scaler)
 
     def shard_map_step(gather, reduce_dtype):
         fn = jaxmp.mp_value_and_grad(lambda p, x, y: mlp(p, x, y, gather), axis_name="data",
-                                     reduce_dtype=reduce_dtype)
+                                     reduce_dtype=reduce_dtype, autocast=False)
         spec = P("data") if gather else P()
         body = jax.shard_map(lambda p, x, y, s: fn(p, x, y, scaler_state=s), mesh=mesh,
                              in_specs=(spec, P("data"), P("data"), P()),

@@ -66,7 +66,7 @@ def test_inputs_are_cast_to_compute_dtype_but_ints_are_not():
         return jnp.sum(params["w"] * batch["x"])
 
     batch = {"x": jnp.ones(2), "y": jnp.arange(2), "key": jax.random.key(0)}
-    jaxmp.mp_value_and_grad(loss_fn, compute_dtype=jnp.bfloat16)(
+    jaxmp.mp_value_and_grad(loss_fn, compute_dtype=jnp.bfloat16, autocast=False)(
         {"w": jnp.ones(2)}, batch, scaler_state=jaxmp.init_scaler())
     assert seen["w"] == seen["x"] == jnp.bfloat16
     assert seen["y"] == jnp.int32 and jnp.issubdtype(seen["key"], jax.dtypes.prng_key)
@@ -79,7 +79,7 @@ def test_regression_unscale_uses_the_scale_of_the_backward_pass():
     x, y = _data(jax.random.key(1))
     ref_loss, ref_grads = jax.value_and_grad(_mlp_loss)(params, x, y)
     state = jaxmp.init_scaler(initial_scale=256.0, growth_interval=1)
-    loss, grads, new_state, finite = jaxmp.mp_value_and_grad(_mlp_loss)(
+    loss, grads, new_state, finite = jaxmp.mp_value_and_grad(_mlp_loss, autocast=False)(
         params, x, y, scaler_state=state)
     assert bool(finite) and float(new_state.scale) == 512.0  # this step grew the scale
     np.testing.assert_allclose(loss, ref_loss, rtol=2e-2)
@@ -105,7 +105,8 @@ def test_overflow_reports_not_finite_and_backs_off():
         return jnp.sum(w * 1000.0)  # gradient 1000 * scale 2**15 overflows float16
 
     state = jaxmp.init_scaler(initial_scale=2.0**15)
-    loss, grads, new_state, finite = jaxmp.mp_value_and_grad(loss_fn)(jnp.ones(3), scaler_state=state)
+    loss, grads, new_state, finite = jaxmp.mp_value_and_grad(loss_fn, autocast=False)(
+        jnp.ones(3), scaler_state=state)
     assert not bool(finite)
     assert float(loss) == 3000.0  # the loss itself is still the true loss
     assert float(new_state.scale) == 2.0**14 and int(new_state.skipped_steps) == 1
@@ -119,8 +120,9 @@ def test_loss_scaling_rescues_gradients_that_underflow_in_float16():
 
     w = jnp.ones(4)
     ref = jax.grad(loss_fn)(w, x)
-    unscaled, _, _ = jaxmp.mp_grad(loss_fn)(w, x, scaler_state=jaxmp.static_scaler(1.0))
-    scaled, _, _ = jaxmp.mp_grad(loss_fn)(w, x, scaler_state=jaxmp.static_scaler(2.0**15))
+    grad_fn = jaxmp.mp_grad(loss_fn, autocast=False)  # the inputs cast to float16
+    unscaled, _, _ = grad_fn(w, x, scaler_state=jaxmp.static_scaler(1.0))
+    scaled, _, _ = grad_fn(w, x, scaler_state=jaxmp.static_scaler(2.0**15))
     assert float(jnp.max(jnp.abs(unscaled))) == 0.0
     np.testing.assert_allclose(scaled, ref, rtol=2e-2)
 

@@ -63,7 +63,8 @@ def _reference(w, stats, x):
 def test_no_cast_argnums_passes_state_uncast_and_matches_float32():
     w = jnp.linspace(-0.5, 0.5, 6).reshape(3, 2)
     stats = {"mean": jnp.asarray([1e-4, 3.0], jnp.float32)}  # 1e-4 is not float16-exact
-    fn = jax.jit(jaxmp.mp_value_and_grad(_stateful_loss, has_aux=True, no_cast_argnums=1))
+    fn = jax.jit(jaxmp.mp_value_and_grad(_stateful_loss, has_aux=True, no_cast_argnums=1,
+                                         autocast=False))
     (loss, new_stats), grads, _, finite = fn(w, stats, X, scaler_state=jaxmp.init_scaler(2.0**10))
     (ref_loss, ref_stats), ref_grads = jax.value_and_grad(_reference, has_aux=True)(w, stats, X)
     assert bool(finite) and new_stats["mean"].dtype == jnp.float32
@@ -75,7 +76,8 @@ def test_no_cast_argnums_passes_state_uncast_and_matches_float32():
 def test_accumulate_no_cast_argnums_is_not_split_nor_cast():
     w = jnp.linspace(-0.5, 0.5, 6).reshape(3, 2)
     stats = {"mean": jnp.asarray([1e-4, 3.0], jnp.float32)}  # leading axis 2 == k
-    fn = jaxmp.accumulate_value_and_grad(_stateful_loss, 2, has_aux=True, no_cast_argnums=1)
+    fn = jaxmp.accumulate_value_and_grad(_stateful_loss, 2, has_aux=True, no_cast_argnums=1,
+                                         autocast=False)
     (loss, new_stats), grads, _, finite = fn(w, stats, X, scaler_state=jaxmp.init_scaler(2.0**10))
     ref_loss, ref_grads = jax.value_and_grad(lambda w: _reference(w, stats, X)[0])(w)
     assert bool(finite)

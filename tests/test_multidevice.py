@@ -409,7 +409,8 @@ def test_jit_named_sharding_single_element_overflow_skips_bit_for_bit(layout):
 
     @jax.jit
     def train_step(params, opt_state, scaler, x, y):
-        loss, grads, scaler, finite = jaxmp.mp_value_and_grad(_masked_loss)(
+        # The cast path: a float16 matrix product overflows one element.
+        loss, grads, scaler, finite = jaxmp.mp_value_and_grad(_masked_loss, autocast=False)(
             params, x, y, mask, scaler_state=scaler)
         params, opt_state = jaxmp.optimizer_update(params, opt, opt_state, grads, finite)
         return params, opt_state, scaler, finite, grads
@@ -472,7 +473,9 @@ def test_shard_map_fsdp_reduce_dtype_moves_reduce_scatter_to_float32(mesh):
         assert bool(finite)
 
         def body(p, x, y, s, rd=rd):
-            return jaxmp.mp_value_and_grad(_fsdp_loss, axis_name="data", reduce_dtype=rd)(
+            # The cast path casts the shards before the gather (autocast gathers float32).
+            return jaxmp.mp_value_and_grad(_fsdp_loss, axis_name="data", reduce_dtype=rd,
+                                           autocast=False)(
                 p, x, y, scaler_state=s)[1]
 
         fn = jax.shard_map(body, mesh=mesh, in_specs=(FSDP_SPECS, P("data"), P("data"), P()),

@@ -33,7 +33,7 @@ def exp_loss(w, x):
 
 def test_forward_exp_overflow_names_exp_and_the_line():
     w, x = jnp.full((4,), 3.0), jnp.ones((2, 4))  # exp(12) = 162755 > 65504
-    report = jaxmp.find_nonfinite(exp_loss)(w, x)
+    report = jaxmp.find_nonfinite(exp_loss, autocast=False)(w, x)
     assert bool(report)
     first = _overflows(report)[0]
     assert (first.phase, first.primitive) == ("forward", "exp")
@@ -69,7 +69,7 @@ def test_layer_norm_case_names_the_backward_pass_and_the_rsqrt_line():
     tokens = jnp.arange(12) % 32
     params = _ln_params()
     # The forward pass is fine: the loss agrees with float32.
-    report = jaxmp.find_nonfinite(ln_loss)(params, tokens)
+    report = jaxmp.find_nonfinite(ln_loss, autocast=False)(params, tokens)
     assert bool(report)
     assert not report.forward
     first = _overflows(report)[0]
@@ -79,7 +79,7 @@ def test_layer_norm_case_names_the_backward_pass_and_the_rsqrt_line():
     assert "no scale fixes it" in first.hint and "autocast=True" in first.hint
     np.testing.assert_allclose(report.loss, report.loss_float32, rtol=1e-2)
     # Not a matter of the scale: the same at scale 1.
-    at_one = jaxmp.find_nonfinite(ln_loss)(params, tokens, scaler_state=jaxmp.static_scaler(1.0))
+    at_one = jaxmp.find_nonfinite(ln_loss, autocast=False)(params, tokens, scaler_state=jaxmp.static_scaler(1.0))
     assert _overflows(at_one)[0].where == first.where
     # The fix the hint names removes it.
     assert not jaxmp.find_nonfinite(ln_loss, autocast=True)(params, tokens)
@@ -88,13 +88,13 @@ def test_layer_norm_case_names_the_backward_pass_and_the_rsqrt_line():
 def test_report_agrees_with_a_stuck_training_step():
     # What find_nonfinite explains is what mp_value_and_grad sees: non-finite gradients.
     tokens = jnp.arange(12) % 32
-    _, grads, _, finite = jaxmp.mp_value_and_grad(ln_loss)(
+    _, grads, _, finite = jaxmp.mp_value_and_grad(ln_loss, autocast=False)(
         _ln_params(), tokens, scaler_state=jaxmp.static_scaler(1.0))
     assert not bool(finite)
-    _, grads, _, finite = jaxmp.mp_value_and_grad(ln_loss)(
+    _, grads, _, finite = jaxmp.mp_value_and_grad(ln_loss, autocast=False)(
         _ln_params(stddev=1.0), tokens, scaler_state=jaxmp.static_scaler(1.0))
     assert bool(finite)
-    assert not jaxmp.find_nonfinite(ln_loss)(_ln_params(stddev=1.0), tokens,
+    assert not jaxmp.find_nonfinite(ln_loss, autocast=False)(_ln_params(stddev=1.0), tokens,
                                              scaler_state=jaxmp.static_scaler(1.0))
 
 
@@ -104,7 +104,7 @@ def test_clean_function_gives_an_empty_report():
 
     w = jax.random.normal(jax.random.key(0), (4, 3))
     x = jax.random.normal(jax.random.key(1), (5, 4))
-    report = jaxmp.find_nonfinite(loss_fn)(w, x, scaler_state=jaxmp.init_scaler(2.0**8))
+    report = jaxmp.find_nonfinite(loss_fn, autocast=False)(w, x, scaler_state=jaxmp.init_scaler(2.0**8))
     assert not report and len(report) == 0 and report.findings == ()
     assert "No operation" in str(report)
     np.testing.assert_allclose(report.loss, float(loss_fn(w, x)), rtol=1e-2)
@@ -114,11 +114,11 @@ def test_scaled_backward_overflow_is_blamed_on_the_scale():
     def loss_fn(w):
         return jnp.sum(w * w)  # gradient 2 * 32768 = 65536 > 65504
 
-    report = jaxmp.find_nonfinite(loss_fn)(jnp.ones(3))
+    report = jaxmp.find_nonfinite(loss_fn, autocast=False)(jnp.ones(3))
     first = _overflows(report)[0]
     assert first.phase == "backward" and first.scale_dependent
     assert "smaller loss scale" in first.hint
-    assert not jaxmp.find_nonfinite(loss_fn)(jnp.ones(3), scaler_state=jaxmp.static_scaler(2.0**14))
+    assert not jaxmp.find_nonfinite(loss_fn, autocast=False)(jnp.ones(3), scaler_state=jaxmp.static_scaler(2.0**14))
 
 
 def test_forward_underflow_is_reported_as_such():
@@ -126,7 +126,7 @@ def test_forward_underflow_is_reported_as_such():
         tiny = (x * 1e-4) * w  # 1e-8 is below float16's smallest subnormal (6e-8)
         return jnp.sum(tiny.astype(jnp.float32)) * 1e4
 
-    report = jaxmp.find_nonfinite(loss_fn)(jnp.full((3,), 1e-4), jnp.ones(3),
+    report = jaxmp.find_nonfinite(loss_fn, autocast=False)(jnp.full((3,), 1e-4), jnp.ones(3),
                                            scaler_state=jaxmp.static_scaler(1.0))
     assert not report  # no inf or NaN
     (under,) = [f for f in report.findings if f.kind == "underflow" and f.phase == "forward"]
@@ -139,11 +139,11 @@ def test_backward_underflow_at_a_small_scale():
     def loss_fn(w):
         return 1e-5 * jnp.sum(w) * 1e-3  # gradient 1e-8 per element
 
-    report = jaxmp.find_nonfinite(loss_fn)(jnp.ones(4), scaler_state=jaxmp.static_scaler(1.0))
+    report = jaxmp.find_nonfinite(loss_fn, autocast=False)(jnp.ones(4), scaler_state=jaxmp.static_scaler(1.0))
     (under,) = [f for f in report.findings if f.kind == "underflow"]
     assert under.phase == "backward" and under.count == 1 and under.float32_max == pytest.approx(1e-8, rel=1e-2)
     assert "larger loss scale" in report.backward[0].hint
-    assert not jaxmp.find_nonfinite(loss_fn)(jnp.ones(4)).findings  # 2**15 rescues it
+    assert not jaxmp.find_nonfinite(loss_fn, autocast=False)(jnp.ones(4)).findings  # 2**15 rescues it
 
 
 # Through the higher-order primitives. -------------------------------------------------
@@ -195,7 +195,7 @@ def test_found_inside_higher_order_primitives(name):
 
     # exp(11) = 59874 fits; exp(12) does not. The scan reaches 12 at its 2nd iteration.
     w = jnp.full((3,), 8.0 if name == "scan" else 12.0)
-    report = jaxmp.find_nonfinite(loss_fn)(w, scaler_state=jaxmp.static_scaler(1.0))
+    report = jaxmp.find_nonfinite(loss_fn, autocast=False)(w, scaler_state=jaxmp.static_scaler(1.0))
     first = _overflows(report)[0]
     assert first.phase == "forward" and first.primitive == "exp"
     if name != "custom_jvp":
@@ -208,12 +208,12 @@ def test_custom_vjp_backward_rule_overflow_is_backward():
     def loss_fn(w):
         return jnp.sum(_loud_identity(w * 2.0))
 
-    report = jaxmp.find_nonfinite(loss_fn)(jnp.ones(3), scaler_state=jaxmp.static_scaler(32.0))
+    report = jaxmp.find_nonfinite(loss_fn, autocast=False)(jnp.ones(3), scaler_state=jaxmp.static_scaler(32.0))
     first = _overflows(report)[0]
     # JAX records the backward rule's operations at the line that calls the function.
     assert first.phase == "backward" and first.primitive == "mul"
     assert first.where.startswith(_line_of(loss_fn, "_loud_identity"))
-    assert not jaxmp.find_nonfinite(loss_fn)(jnp.ones(3), scaler_state=jaxmp.static_scaler(1.0))
+    assert not jaxmp.find_nonfinite(loss_fn, autocast=False)(jnp.ones(3), scaler_state=jaxmp.static_scaler(1.0))
 
 
 # Options, inputs and what it must not do. -----------------------------------------------
@@ -222,7 +222,7 @@ def test_has_aux_argnums_and_kwargs():
     def loss_fn(scale_arg, w, *, offset):
         return jnp.mean(jnp.exp(w * scale_arg + offset)), {"aux": w}
 
-    report = jaxmp.find_nonfinite(loss_fn, argnums=1, has_aux=True)(
+    report = jaxmp.find_nonfinite(loss_fn, argnums=1, has_aux=True, autocast=False)(
         jnp.asarray(4.0), jnp.ones(3), offset=jnp.asarray(8.0), scaler_state=jaxmp.static_scaler(1.0))
     assert _overflows(report)[0].primitive == "exp"
 
@@ -231,9 +231,9 @@ def test_bfloat16_overflows_only_where_float32_does():
     def loss_fn(w):
         return jnp.mean(jnp.exp(w))
 
-    report = jaxmp.find_nonfinite(loss_fn, compute_dtype=jnp.bfloat16)(jnp.full((2,), 12.0))
+    report = jaxmp.find_nonfinite(loss_fn, compute_dtype=jnp.bfloat16, autocast=False)(jnp.full((2,), 12.0))
     assert not report and report.loss_scale == 1.0
-    huge = jaxmp.find_nonfinite(loss_fn, compute_dtype=jnp.bfloat16)(jnp.full((2,), 100.0))
+    huge = jaxmp.find_nonfinite(loss_fn, compute_dtype=jnp.bfloat16, autocast=False)(jnp.full((2,), 100.0))
     assert not huge and [f.kind for f in huge.forward] == ["float32 too"]
 
 
@@ -242,7 +242,7 @@ def test_does_not_change_the_training_step():
     scaler = jaxmp.init_scaler(initial_scale=256.0)
     step = jax.jit(jaxmp.mp_value_and_grad(ln_loss))
     before = step(params, tokens, scaler_state=scaler)
-    jaxmp.find_nonfinite(ln_loss)(params, tokens, scaler_state=scaler)
+    jaxmp.find_nonfinite(ln_loss, autocast=False)(params, tokens, scaler_state=scaler)
     after = step(params, tokens, scaler_state=scaler)
     for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after)):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
@@ -251,19 +251,19 @@ def test_does_not_change_the_training_step():
 
 def test_bad_options_raise_clear_errors():
     with pytest.raises(ValueError, match="float16 or bfloat16"):
-        jaxmp.find_nonfinite(exp_loss, compute_dtype=jnp.float32)
+        jaxmp.find_nonfinite(exp_loss, compute_dtype=jnp.float32, autocast=False)
     with pytest.raises(ValueError, match="compute_dtype must be one of"):
-        jaxmp.find_nonfinite(exp_loss, compute_dtype=jnp.int32)
+        jaxmp.find_nonfinite(exp_loss, compute_dtype=jnp.int32, autocast=False)
     with pytest.raises(TypeError, match="argnums"):
-        jaxmp.find_nonfinite(exp_loss, argnums="w")
+        jaxmp.find_nonfinite(exp_loss, argnums="w", autocast=False)
     with pytest.raises(TypeError, match="refers to argument 3"):
-        jaxmp.find_nonfinite(exp_loss, argnums=3)(jnp.ones(4), jnp.ones((2, 4)))
+        jaxmp.find_nonfinite(exp_loss, argnums=3, autocast=False)(jnp.ones(4), jnp.ones((2, 4)))
     with pytest.raises(TypeError, match="The loss must be a scalar"):
-        jaxmp.find_nonfinite(lambda w: w * 2.0)(jnp.ones(3))
+        jaxmp.find_nonfinite(lambda w: w * 2.0, autocast=False)(jnp.ones(3))
     with pytest.raises(TypeError, match="pair"):
-        jaxmp.find_nonfinite(lambda w: jnp.sum(w), has_aux=True)(jnp.ones(3))
+        jaxmp.find_nonfinite(lambda w: jnp.sum(w), has_aux=True, autocast=False)(jnp.ones(3))
     with pytest.raises(TypeError, match="jaxmp.ScalerState"):
-        jaxmp.find_nonfinite(exp_loss)(jnp.ones(4), jnp.ones((2, 4)), scaler_state=1.0)
+        jaxmp.find_nonfinite(exp_loss, autocast=False)(jnp.ones(4), jnp.ones((2, 4)), scaler_state=1.0)
 
 
 def test_under_autocast_the_line_is_still_the_users():
@@ -287,7 +287,7 @@ def test_equinox_module_with_static_leaves():
     def loss_fn(model, x):
         return jnp.mean(jax.vmap(model)(x))
 
-    report = jaxmp.find_nonfinite(loss_fn)(model, jnp.zeros((3, 4)),
+    report = jaxmp.find_nonfinite(loss_fn, autocast=False)(model, jnp.zeros((3, 4)),
                                            scaler_state=jaxmp.static_scaler(1.0))
     first = _overflows(report)[0]
     assert (first.phase, first.primitive) == ("forward", "exp")
@@ -308,5 +308,5 @@ def test_user_code_in_a_folder_named_jaxmp_is_not_taken_for_library_code(tmp_pat
     spec.loader.exec_module(module)
     model = eqx.nn.Linear(4, 2, key=jax.random.key(0))
     model = eqx.tree_at(lambda m: m.weight, model, jnp.full((2, 4), 300.0))
-    finding = jaxmp.find_nonfinite(module.loss_fn)(model, jnp.full((4,), 300.0)).findings[0]
+    finding = jaxmp.find_nonfinite(module.loss_fn, autocast=False)(model, jnp.full((4,), 300.0)).findings[0]
     assert finding.primitive == "dot_general" and finding.called_from.startswith("user_model.py:4")

@@ -137,8 +137,8 @@ def grad_options(precision: str, autocast: bool) -> dict[str, Any]:
     return dict(
         compute_dtype=COMPUTE_DTYPES[precision],
         use_mixed_precision=precision != "float32",
-        # Per-operation precision for float16: normalisation, softmax and sums in float32.
-        autocast=autocast and precision == "float16",
+        # Per-operation precision (the default): normalisation, softmax and sums in float32.
+        autocast=autocast,
     )
 
 

@@ -25,7 +25,28 @@ _PRODUCTS = ("dot_general", "conv_general_dilated")
 
 
 class MostlyFloat32Warning(UserWarning):
-    """A gradient step traced with a half-precision ``compute_dtype`` runs mostly in float32."""
+    """Says that a step traced with a half-precision ``compute_dtype`` computes mostly in float32.
+
+    Issued once per gradient function, while the step is traced (never by the
+    compiled step), by the cast-inputs path (``autocast=False``) when less than
+    half of the loss's matrix-product FLOPs have half-precision operands. The
+    message names the first float32 product by the user's file and line.
+
+    Examples:
+        >>> import warnings
+        >>> import jax.numpy as jnp
+        >>> import jaxmp
+        >>> w_out = jnp.ones((8, 64))  # captured by the loss: casting the inputs misses it
+        >>> def loss_fn(w, x):  # and the layer fixes its own dtype to float32
+        ...     h = (x @ w).astype(jnp.float32)
+        ...     return jnp.mean(h @ w_out)
+        >>> grad_fn = jaxmp.mp_value_and_grad(loss_fn, autocast=False)
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     _ = grad_fn(jnp.ones((8, 8)), jnp.ones((2, 8)), scaler_state=jaxmp.init_scaler())
+        >>> caught[0].category is jaxmp.MostlyFloat32Warning
+        True
+    """
 
 
 def _sub_jaxprs(eqn) -> Iterator[tuple[Any, int]]:

@@ -27,9 +27,11 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxmp._src import casting
 from jaxmp._src import census
+from jaxmp._src import interpret
 from jaxmp._src import loss_scale
 from jaxmp._src import sharding
 from jaxmp._src import update
@@ -276,11 +278,22 @@ class Step:
             cast, kwargs = casting.cast_tree((cast, kwargs), self.input_dtype)
             it = iter(cast)
             args = [a if i in keep else next(it) for i, a in enumerate(args)]
+        call = self.call
         if casting.is_half_dtype(self.input_dtype) and not self.checked_half_share:
-            self.checked_half_share.append(True)  # on the first trace only
-            closed = jax.make_jaxpr(lambda: self.call(*args, **kwargs))()
-            census.warn_if_mostly_float32(closed, self.input_dtype, self.api)
-        loss, aux = split_aux(self.call(*args, **kwargs), self.has_aux)
+            # On the first trace only: trace the loss to a jaxpr, count its
+            # products by dtype, then evaluate that jaxpr (one trace of the
+            # user's code, as without the check).
+            self.checked_half_share.append(True)
+
+            def census_then_run(closed, arrays):
+                census.warn_if_mostly_float32(closed, self.input_dtype, self.api)
+                # Operations on the jaxpr's constants run eagerly in NumPy, which
+                # warns about overflows that tracing the user's code did not.
+                with np.errstate(all="ignore"):
+                    return interpret.Interpreter().eval_closed(closed, arrays)
+
+            call = interpret.transform(self.call, census_then_run)
+        loss, aux = split_aux(call(*args, **kwargs), self.has_aux)
         loss = check_loss(loss).astype(jnp.float32)
         if not self.use_mixed_precision:
             return loss, (loss, aux)

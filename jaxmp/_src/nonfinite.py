@@ -92,7 +92,7 @@ class Finding(NamedTuple):
         >>> import jax.numpy as jnp
         >>> import jaxmp
         >>> loss_fn = lambda w: jnp.log(jnp.sum(jnp.exp(w)))
-        >>> finding = jaxmp.find_nonfinite(loss_fn)(jnp.full((2,), 12.0)).findings[0]
+        >>> finding = jaxmp.find_nonfinite(loss_fn, autocast=False)(jnp.full((2,), 12.0)).findings[0]
         >>> finding.phase, finding.kind, finding.primitive, finding.float32_max > 65504
         ('forward', 'overflow', 'exp', True)
     """
@@ -497,7 +497,7 @@ def find_nonfinite(
         >>> def loss_fn(w, x):
         ...     return jnp.mean(jnp.exp(x @ w))
         >>> w, x = jnp.full((4,), 3.0), jnp.ones((2, 4))
-        >>> report = jaxmp.find_nonfinite(loss_fn)(w, x)  # exp(12) > 65504
+        >>> report = jaxmp.find_nonfinite(loss_fn, autocast=False)(w, x)  # inputs cast: exp(12) > 65504
         >>> bool(report), report.findings[0].phase, report.findings[0].primitive
         (True, 'forward', 'exp')
     """
