@@ -13,14 +13,11 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax._src import config as jax_config
 
-# A JAX configuration state, so that it is part of the trace cache key: a step
-# traced with callbacks is traced again, without, inside ``no_host_callbacks``.
-_HOST_CALLBACKS = jax_config.bool_state(
-    "jaxmp_host_callbacks", True,
-    "Whether jaxmp's steps may call back to the host (stuck and overflow messages).",
-    include_in_trace_context=True, include_in_jit_key=True)
+# Whether jaxmp's steps may call back to the host (stuck and overflow messages).
+# A JAX user context, so that it is part of the trace cache key: a step traced
+# with callbacks is traced again, without, inside ``no_host_callbacks``.
+_HOST_CALLBACKS = jax.make_user_context(default_value=True)
 
 
 @contextlib.contextmanager

@@ -26,10 +26,10 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import source_info_util
 from jax.extend import core as jex_core
 
 from jaxmp._src import casting
+from jaxmp._src import compat
 from jaxmp._src import kernel
 from jaxmp._src import interpret
 from jaxmp._src import loss_scale
@@ -198,10 +198,7 @@ def _widen(x: Any) -> Any:
 
 
 def _frames(eqn) -> list:
-    try:
-        return list(source_info_util.user_frames(eqn.source_info.traceback))
-    except Exception:  # pylint: disable=broad-except  (private JAX API: degrade, never fail)
-        return []
+    return compat.user_frames(eqn.source_info.traceback)
 
 
 def _summary(frame) -> str:
