@@ -754,7 +754,10 @@ def comparison_table(results: dict[str, Any], config_name: str) -> str:
         step = "n/a" if r.get("step_time_s") is None else f"{r['step_time_s']:.3f}"
         ratio = r.get("saved_bytes_ratio_vs_float32")
         large, large32 = r.get("large_activation_loss"), r.get("large_activation_loss_float32")
-        large = "n/a" if large is None else f"{large:.3f} ({large32:.3f})"
+        if large is None:
+            large = "n/a"
+        else:  # float32's loss is there only when float32 is among the variants
+            large = f"{large:.3f}" + ("" if large32 is None else f" ({large32:.3f})")
         lines.append(
             f"| {r.get('model', 'vit')} | {r['batch_size']} | {r['variant']} "
             f"| {r['saved_activation_bytes'] / 2**20:.0f} | {'n/a' if ratio is None else f'{ratio:.2f}'} "

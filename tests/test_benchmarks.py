@@ -156,3 +156,19 @@ def test_comparison_table_reports_per_round_ratios_to_the_hand_written_step():
                            record("autocast", [1.1, 2.0, 1.3], hlo_ops=120)]}
     table = vit.comparison_table(results, "tiny")
     assert "| vit | 8 | autocast | 1 | n/a | 1.000 | 2 | 1.00x | 120 | 1.20x | 1.300 | 1.10x (1.00-1.30) |" in table
+
+
+def test_comparison_table_without_float32_among_the_variants():
+    # `--variants hand_written,autocast`: no float32 record, so no float32 loss
+    # or saved-bytes ratio to compare with; the table says n/a (it used to crash).
+    def record(variant, loss):
+        return {"config": "desktop", "model": "vit", "batch_size": 64, "variant": variant,
+                "saved_activation_bytes": 2**20, "half_matmul_flop_share": 1.0, "hlo_ops": 100,
+                "xla_total_bytes": None, "step_times_s": None, "step_time_s": None,
+                "saved_bytes_ratio_vs_float32": None,
+                "large_activation_loss": loss, "large_activation_loss_float32": None}
+
+    results = {"records": [record("hand_written", 12.125), record("autocast", 14.5)]}
+    table = vit.comparison_table(results, "desktop")
+    assert "| vit | 64 | autocast | 1 | n/a | 1.000 | n/a | n/a | 100 | 1.00x | n/a | n/a | 14.500 |" in table
+    assert "| 12.125 |" in table

@@ -1,5 +1,8 @@
 """Checkpoint and resume: (params, optimizer state, scaler state) survive a restart bit for bit."""
 
+import dataclasses
+import json
+
 import flax.serialization
 import jax
 import jax.numpy as jnp
@@ -142,3 +145,46 @@ def test_static_and_noop_scalers_round_trip(tmp_path, make):
     assert_bit_identical(restored, state)
     blob = flax.serialization.to_bytes(state)
     assert_bit_identical(flax.serialization.from_bytes(make(), blob), state)
+
+
+def _settings(state):
+    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
+            if not f.metadata.get("pytree_node", True)}
+
+
+def test_settings_come_from_the_restore_target_not_the_checkpoint(tmp_path):
+    # What docs/checkpoint.md warns about: the settings are not stored, so a
+    # target built with other arguments silently gives the state other settings.
+    state = jaxmp.adjust(jaxmp.init_scaler(growth_interval=7, hysteresis=3), jnp.asarray(False))
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "scaler", state)
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(tmp_path / "scaler", jaxmp.init_scaler())
+    assert (restored.growth_interval, restored.hysteresis) == (2000, 1)
+    assert int(restored.overflow_streak) == 1  # the arrays are the checkpoint's
+
+    # The recipe of docs/checkpoint.md: settings stored as JSON beside it.
+    (tmp_path / "scaler.json").write_text(json.dumps(_settings(state)))
+    target = dataclasses.replace(jaxmp.init_scaler(),
+                                 **json.loads((tmp_path / "scaler.json").read_text()))
+    restored = checkpointer.restore(tmp_path / "scaler", target)
+    checkpointer.close()
+    assert _settings(restored) == _settings(state)
+    assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(state)
+    assert_bit_identical(restored, state)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: jaxmp.init_scaler(initial_scale=8.0, growth_factor=3.0, backoff_factor=0.25,
+                              min_scale=2.0, max_scale=2.0**20, on_stuck="raise", stuck_after=4),
+    lambda: jaxmp.static_scaler(64.0, on_stuck="off"),
+    jaxmp.noop_scaler,
+], ids=["dynamic", "static", "noop"])
+def test_every_setting_survives_a_json_round_trip(make):
+    state = make()
+    settings = json.loads(json.dumps(_settings(state)))
+    assert set(settings) >= {"mode", "growth_interval", "growth_factor", "backoff_factor",
+                             "min_scale", "max_scale", "hysteresis", "on_stuck", "stuck_after"}
+    rebuilt = dataclasses.replace(jaxmp.init_scaler(), **settings)
+    assert _settings(rebuilt) == _settings(state)
+    assert jax.tree_util.tree_structure(rebuilt) == jax.tree_util.tree_structure(state)

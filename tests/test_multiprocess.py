@@ -113,7 +113,7 @@ def train(process_index: int, process_count: int) -> dict[str, np.ndarray]:
 
         for path, fn in paths.items():
             init = (params, opt.init(params), scaler)
-            # The same host values on every process, placed with global shardings (README).
+            # The same host values on every process, placed with global shardings (docs/multi_device.md).
             shardings = jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec), state_specs,
                                                is_leaf=lambda s: isinstance(s, P))
             state = jax.device_put(jax.device_get(init), shardings)

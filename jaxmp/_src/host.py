@@ -29,7 +29,6 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax._src import config as jax_config
 
 # Checked states, oldest first: (copy of the alarm word, the check to run).
 _PENDING: collections.deque = collections.deque()
@@ -37,12 +36,11 @@ _PENDING: collections.deque = collections.deque()
 # reads the one just returned, and reads it at the latest this many steps later.
 MAX_PENDING = 2
 
-# A JAX configuration state, so that it is part of the trace cache key: a step
-# traced with callbacks is traced again, without, inside ``no_host_callbacks``.
-_HOST_CALLBACKS = jax_config.bool_state(
-    "jaxmp_host_callbacks", True,
-    "Whether jaxmp's steps may call back to the host (the float16 update-overflow message).",
-    include_in_trace_context=True, include_in_jit_key=True)
+# Whether jaxmp's steps may call back to the host (the float16 update-overflow
+# message). A JAX user context, so that it is part of the trace cache key: a
+# step traced with callbacks is traced again, without, inside
+# ``no_host_callbacks``.
+_HOST_CALLBACKS = jax.make_user_context(default_value=True)
 
 
 def is_concrete_array(x: Any) -> bool:

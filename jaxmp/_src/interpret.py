@@ -63,10 +63,11 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import source_info_util
 from jax.extend import core as jex_core
+from jax.extend import source_info_util
 
 from jaxmp._src import casting
+from jaxmp._src import compat
 
 Handler = Callable[["Interpreter", Any, list], list]
 
@@ -81,7 +82,8 @@ def bind(eqn, invals: Sequence[Any], params: Mapping[str, Any] | None = None) ->
     params = eqn.params if params is None else params
     with source_info_util.user_context(eqn.source_info.traceback,
                                        name_stack=source_info_util.current_name_stack()):
-        out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+        subfuns, bind_params = compat.bind_params(eqn.primitive, params)
+        out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
     return list(out) if eqn.primitive.multiple_results else [out]
 
 

@@ -20,7 +20,6 @@ runs before any cotangent exists and does not depend on the loss scale.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src import casting
+from jaxmp._src import compat
 from jaxmp._src import interpret
 
 PyTree = Any
@@ -117,10 +118,7 @@ def data_axes(axis_name: Any, what: str = "axis_name") -> tuple[Any, ...] | None
 
 def varying_axes(x: Any) -> frozenset:
     """The manual axes over which ``x`` is typed as varying (empty outside ``shard_map``)."""
-    try:
-        return frozenset(jax.typeof(x).manual_axis_type.varying)
-    except AttributeError:
-        return frozenset()
+    return compat.varying_axes(x)
 
 
 def tracks_varying(axes: tuple[Any, ...]) -> bool:
@@ -132,7 +130,7 @@ def tracks_varying(axes: tuple[Any, ...]) -> bool:
     manual = manual_axes()
     if not axes or not all(a in manual for a in axes):
         return False
-    probe = jax.lax.pcast(jnp.zeros((), jnp.float32), tuple(axes), to="varying")
+    probe = compat.pcast_to_varying(jnp.zeros((), jnp.float32), tuple(axes))
     return set(axes) <= varying_axes(probe)
 
 
@@ -145,7 +143,7 @@ def as_varying(tree: PyTree, axes: tuple[Any, ...]) -> PyTree:
 
     def cast(x):
         missing = tuple(a for a in axes if a not in varying_axes(x))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
+        return compat.pcast_to_varying(x, missing) if missing else x
 
     return jax.tree_util.tree_map(cast, tree)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
-from jax._src import source_info_util
+from jaxmp._src import compat
 
 _INSTALLED_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 _JAXMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -18,10 +18,7 @@ _JAXMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.se
 
 def frames(eqn) -> list:
     """The user frames of ``eqn``'s traceback, innermost first ([] when unknown)."""
-    try:
-        return list(source_info_util.user_frames(eqn.source_info.traceback))
-    except Exception:  # pylint: disable=broad-except  (private JAX API: degrade, never fail)
-        return []
+    return compat.user_frames(eqn.source_info.traceback)
 
 
 def summary(frame) -> str:

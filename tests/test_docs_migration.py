@@ -1,8 +1,8 @@
-"""The README's table from MPX's and jmp's API to jaxmp's names things that exist.
+"""The table from MPX's and jmp's API to jaxmp's (docs/migration.md) names things that exist.
 
 Its jaxmp column must name public jaxmp functions; the MPX and jmp columns are
 checked against the installed peer libraries when they are there (the
-``peers`` extra). The code block after the table runs in tests/test_readme.py.
+``peers`` extra). The code block after the table runs in tests/test_docs.py.
 """
 
 import pathlib
@@ -13,8 +13,8 @@ import pytest
 
 import jaxmp
 
-README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-SECTION = README.split("## Coming from MPX or jmp", 1)[1].split("\n## ", 1)[0]
+PAGE = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "migration.md").read_text()
+SECTION = PAGE.split("# Coming from MPX or jmp", 1)[1].split("\n## ", 1)[0]
 TABLE = [[cell.strip() for cell in line.strip()[1:-1].split("|")]
          for line in SECTION.splitlines() if line.startswith("|") and "---" not in line][1:]
 

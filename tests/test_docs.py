@@ -1,0 +1,103 @@
+"""The Python code of README.md and of the documentation pages runs as written.
+
+Each page's blocks run in order, as one script, in a fresh namespace. A page
+whose text says it continues another page (most continue the training step of
+docs/getting_started.md) runs after that page's blocks, as a reader would run
+them. The pages run in this process: conftest.py gives it the 4 CPU devices
+that docs/multi_device.md needs.
+"""
+
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+TEST_COMMAND = 'pip install -e ".[test]" && pytest -n auto'
+DOCS_COMMAND = 'pip install -e ".[docs]" && sphinx-build -W --keep-going -b html docs docs/_build/html'
+
+# page -> the pages whose code it continues (run first, in this order).
+PAGES = {
+    "getting_started.md": [],
+    "migration.md": ["getting_started.md"],
+    "autocast.md": [],
+    "float16_stuck.md": ["autocast.md"],
+    "scaler.md": ["getting_started.md"],
+    "framework_state.md": ["getting_started.md"],
+    "accumulation.md": ["getting_started.md"],
+    "checkpoint.md": ["getting_started.md"],
+    "multi_device.md": ["getting_started.md"],
+}
+# Pages whose code ends with a gradient step that returned `finite`.
+ENDS_WITH_A_STEP = {"framework_state.md", "accumulation.md", "autocast.md", "float16_stuck.md"}
+
+
+def _blocks(path):
+    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+
+
+def _run(paths):
+    namespace = {}
+    for path in paths:
+        for index, block in enumerate(_blocks(path)):
+            name = f"{path.relative_to(ROOT)}[python block {index}]"
+            exec(compile(block, name, "exec"), namespace)
+    return namespace
+
+
+def test_every_page_with_python_code_is_run():
+    with_code = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md") if _blocks(p)}
+    assert with_code == set(PAGES)
+
+
+def test_readme_python_blocks_run_in_order():
+    blocks = _blocks(ROOT / "README.md")
+    assert blocks
+    namespace = _run([ROOT / "README.md"])
+    # The training step really trained in mixed precision: float32 parameters,
+    # a finite float32 loss.
+    assert namespace["params"]["w1"].dtype == "float32"
+    assert namespace["loss"].dtype == "float32" and bool(namespace["jnp"].isfinite(namespace["loss"]))
+
+
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_page_python_blocks_run_in_order(page):
+    prerequisites = PAGES[page]
+    for earlier in prerequisites:  # the page says which page it continues
+        assert f"]({earlier}" in (DOCS / page).read_text(), (page, earlier)
+    namespace = _run([DOCS / p for p in [*prerequisites, page]])
+    if "params" in namespace:
+        assert namespace["params"]["w1"].dtype == "float32"
+    if page in ENDS_WITH_A_STEP:
+        assert bool(namespace["finite"])
+
+
+def test_readme_test_command_is_what_ci_runs():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert TEST_COMMAND in readme and TEST_COMMAND in ci
+    assert TEST_COMMAND in (DOCS / "development.md").read_text()
+
+
+def test_readme_docs_command_is_what_ci_runs():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert DOCS_COMMAND in readme and DOCS_COMMAND in ci
+    assert DOCS_COMMAND in (DOCS / "development.md").read_text()
+
+
+def test_readme_links_point_to_files_that_exist():
+    links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    assert len(links) >= 10
+    for link in links:
+        assert (ROOT / link).is_file(), link
+
+
+def test_api_reference_documents_every_public_name():
+    import jaxmp
+
+    documented = set()
+    for page in (DOCS / "api").glob("*.md"):
+        documented |= set(re.findall(r"\.\. auto\w+:: jaxmp\.(\w+)", page.read_text()))
+    assert documented == set(jaxmp.__all__)

@@ -1,0 +1,61 @@
+"""Declared bounds are tested bounds.
+
+Every lower bound in pyproject.toml of a library jaxmp or its tests build on is
+pinned, exactly, in constraints/oldest.txt, from which .ci/run installs the
+oldest environment and runs the tests there too.
+"""
+
+import pathlib
+import re
+import tomllib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# The libraries whose oldest supported version is tested (the rest of the test
+# extra, pytest, scikit-learn, matplotlib..., is tooling and data).
+TESTED = {"jax", "jaxlib", "flax", "optax", "numpy", "dm-haiku", "equinox", "orbax-checkpoint"}
+
+
+def _lower_bounds():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        requirements += extra
+    bounds = {}
+    for requirement in requirements:
+        found = re.fullmatch(r"([A-Za-z0-9_.-]+)(?:\[[^]]*\])?\s*(?:>=\s*([^,;\s]+))?.*", requirement)
+        name, version = found.group(1).lower(), found.group(2)
+        if name in TESTED:
+            assert name not in bounds, f"{name} is bounded twice in pyproject.toml"
+            bounds[name] = version
+    return bounds
+
+
+def _pins():
+    pins = {}
+    for line in (ROOT / "constraints" / "oldest.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[name.strip().lower()] = version.strip()
+    return pins
+
+
+def test_requires_python_is_what_the_oldest_jax_needs():
+    # jax 0.8 and flax 0.12 need Python 3.11; CI runs 3.11.
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["requires-python"] == ">=3.11"
+
+
+def test_every_tested_library_has_a_lower_bound():
+    assert set(_lower_bounds()) == TESTED
+    assert all(_lower_bounds().values())
+
+
+def test_oldest_constraints_pin_exactly_the_lower_bounds():
+    assert _pins() == _lower_bounds()
+
+
+def test_ci_runs_the_tests_on_the_oldest_versions_as_the_docs_say():
+    command = 'pip install -e ".[test]" -c constraints/oldest.txt && pytest -n auto -m "not slow"'
+    assert command in (ROOT / ".ci" / "run").read_text()
+    assert command in (ROOT / "docs" / "development.md").read_text()
