@@ -243,3 +243,26 @@ def test_works_under_equinox_filter_jit():
         jnp.ones(2), scaler_state=jaxmp.init_scaler(initial_scale=8.0))
     np.testing.assert_allclose(grads, np.ones(2))
     assert jaxmp.mp_grad(lambda w: jnp.sum(w)).__name__ == "<lambda>"
+
+
+def test_a_float16_loss_caps_the_scale_below_its_own_overflow():
+    # d(loss)/d(loss) is the scale, in the loss's dtype: 2**16 is inf in float16,
+    # so a float16 loss would skip every step at which the scale grew past 2**15.
+    def loss_fn(w, x):
+        return jnp.sum(x * w)  # all float16 when the inputs are cast
+
+    w, x = jnp.full((4,), 0.5), jnp.ones((4,))
+    state = jaxmp.init_scaler(initial_scale=2.0**14, growth_interval=1)
+    step = jax.jit(jaxmp.mp_value_and_grad(loss_fn, autocast=False))
+    for _ in range(4):
+        loss, grads, state, finite = step(w, x, scaler_state=state)
+        assert bool(finite)
+    assert float(state.scale) == 2.0**15 and int(state.skipped_steps) == 0
+    np.testing.assert_array_equal(np.asarray(grads), np.ones(4))
+    # Under autocast the sum runs in float32: the scale grows as configured.
+    state = jaxmp.init_scaler(initial_scale=2.0**14, growth_interval=1)
+    step = jax.jit(jaxmp.mp_value_and_grad(loss_fn))
+    for _ in range(4):
+        _, _, state, finite = step(w, x, scaler_state=state)
+        assert bool(finite)
+    assert float(state.scale) == 2.0**18

@@ -26,10 +26,17 @@ def mp_value_and_grad(
     The returned function takes the arguments of ``fn`` plus a keyword-only
     ``scaler_state`` and, on each call:
 
-    1. casts the floating-point leaves of all arguments to ``compute_dtype``
-       (integer arrays, keys and non-array leaves are left alone);
-    2. runs ``fn``, converts the loss to float32 and only then multiplies it by
-       the scale, so the scaled loss cannot overflow float16;
+    1. runs ``fn`` under :func:`jaxmp.autocast` (the default): matrix products
+       and convolutions in ``compute_dtype``, sums, normalisations, softmax and
+       exp/log in float32, whatever dtypes the model's layers or the values
+       the loss makes itself (a batch in a closure, noise drawn inside) have.
+       With ``autocast=False`` it instead casts the floating-point leaves of
+       all arguments to ``compute_dtype`` (integer arrays, keys and non-array
+       leaves are left alone) and runs ``fn`` as written; if less than half of
+       the matrix-product FLOPs then have half-precision operands, a
+       :class:`jaxmp.MostlyFloat32Warning` says so once, while tracing;
+    2. converts the loss to float32 and only then multiplies it by the scale,
+       so the scaled loss cannot overflow float16;
     3. differentiates the scaled loss with respect to the floating-point leaves
        of the arguments in ``argnums``; gradients come back in the dtype of the
        original leaves (float32 for float32 parameters) and are divided by the
@@ -37,9 +44,15 @@ def mp_value_and_grad(
        with ``equinox.filter_grad``;
     4. checks that every gradient is finite and adjusts the scaler.
 
-    The returned loss is the true float32 loss, never inflated by the scale.
-    Floating-point aux leaves come back in float32, so state carried between
-    steps (batch-norm statistics, Haiku state) keeps its dtype.
+    The returned loss is the loss ``fn`` computed, converted to float32 and
+    never multiplied by the scale. It is not a float32 recomputation: under
+    autocast the loss's sums run in float32; a loss whose last operations run
+    in float16 (``autocast=False``) comes back as that float16 value, widened.
+    Such a loss also caps the loss scale at ``2**15``: the gradient of a
+    float16 loss with respect to itself is the scale, in float16, and from
+    ``2**16`` on it is ``inf``. Floating-point aux leaves come back in float32,
+    so state carried between steps (batch-norm statistics, Haiku state) keeps
+    its dtype.
 
     With ``use_mixed_precision=False`` the inputs are cast to float32, nothing
     is scaled and ``scaler_state`` is returned unchanged, with the same output
@@ -68,8 +81,9 @@ def mp_value_and_grad(
             ``()`` gives per-device gradients. Leave it ``None`` under ``jit``
             with ``NamedSharding``. Whatever it lists, ``finite`` and the new
             scaler state are the same on every device of the mesh.
-        autocast: instead of casting all inputs, apply :func:`jaxmp.autocast`
-            to ``fn`` (per-operation precision).
+        autocast: ``True`` (default) applies :func:`jaxmp.autocast` to
+            ``fn`` (per-operation precision); ``False`` casts the inputs and
+            runs ``fn`` as written (what MPX and jmp do).
         reduce_dtype: the dtype of gradient sums over devices. ``None``
             (default): jaxmp's own sums over ``axis_name`` (unscaled
             gradients) run in float32 (float64 for float64 leaves), and the

@@ -48,6 +48,10 @@ class _Required:
 
 REQUIRED = _Required()
 
+# The largest scale (a power of two) whose product with a float16 loss's own
+# gradient, 1, fits in float16 (65504).
+FLOAT16_LOSS_MAX_SCALE = 2.0**15
+
 
 def missing_scaler_state(api: str) -> TypeError:
     """The error for a call that forgot ``scaler_state=``, naming the function that needs it."""
@@ -179,9 +183,10 @@ class Step:
     use_mixed_precision: bool
     axis_name: Any
     reduce_dtype: Any = None
-    # Not empty once the first trace has counted the half-precision products
-    # of the cast-inputs path (census.warn_if_mostly_float32): said once.
-    checked_half_share: list = dataclasses.field(default_factory=list, compare=False)
+    # What tracing learnt, for the rest of the step and for later traces:
+    # "census" once the cast-inputs path's products were counted (said once),
+    # "float16_loss" whether the loss itself came out in float16.
+    traced: dict = dataclasses.field(default_factory=dict, compare=False)
 
     @classmethod
     def create(
@@ -279,11 +284,11 @@ class Step:
             it = iter(cast)
             args = [a if i in keep else next(it) for i, a in enumerate(args)]
         call = self.call
-        if casting.is_half_dtype(self.input_dtype) and not self.checked_half_share:
+        if casting.is_half_dtype(self.input_dtype) and "census" not in self.traced:
             # On the first trace only: trace the loss to a jaxpr, count its
             # products by dtype, then evaluate that jaxpr (one trace of the
             # user's code, as without the check).
-            self.checked_half_share.append(True)
+            self.traced["census"] = True
 
             def census_then_run(closed, arrays):
                 census.warn_if_mostly_float32(closed, self.input_dtype, self.api)
@@ -294,7 +299,9 @@ class Step:
 
             call = interpret.transform(self.call, census_then_run)
         loss, aux = split_aux(call(*args, **kwargs), self.has_aux)
-        loss = check_loss(loss).astype(jnp.float32)
+        loss = check_loss(loss)
+        self.traced["float16_loss"] = loss.dtype == jnp.float16
+        loss = loss.astype(jnp.float32)
         if not self.use_mixed_precision:
             return loss, (loss, aux)
         return loss_scale.scale(state, loss), (loss, casting.cast_to_float32(aux))
@@ -325,6 +332,10 @@ class Step:
         finite = loss_scale.all_finite(grads, devices.axes or None)  # one verdict, every axis
         if self.use_mixed_precision:
             state = loss_scale.adjust(state, finite)
+            if self.traced.get("float16_loss") and state.max_scale > FLOAT16_LOSS_MAX_SCALE:
+                # The gradient of a float16 loss with respect to itself is the
+                # scale, in float16: from 2**16 on it is inf, and every step skips.
+                state = state.replace(scale=jnp.minimum(state.scale, FLOAT16_LOSS_MAX_SCALE))
         grads = grads[0] if self.single_argnum else grads
         value = (loss, aux) if self.has_aux else loss
         return value, grads, state, finite
