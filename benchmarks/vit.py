@@ -407,11 +407,23 @@ def _tree_norm(tree) -> float:
     return float(jnp.sqrt(sum(jnp.sum(x * x) for x in leaves)))
 
 
-def _compile_all(lowered: dict[str, Any], workers: int) -> dict[str, Any]:
-    """Compiles lowered programs in threads (XLA releases the GIL while compiling)."""
+def _timed_compile(low) -> tuple[Any, float]:
+    start = time.perf_counter()
+    exe = low.compile()
+    return exe, time.perf_counter() - start
+
+
+def _compile_all(lowered: dict[str, Any], workers: int) -> tuple[dict[str, Any], dict[str, float]]:
+    """Compiles lowered programs; returns the executables and each one's compile time (s).
+
+    With ``workers > 1`` they compile in threads (XLA releases the GIL while
+    compiling), and the times overlap: compare compile times from a run with
+    ``workers=1`` (the default).
+    """
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        futures = {name: pool.submit(low.compile) for name, low in lowered.items()}
-        return {name: future.result() for name, future in futures.items()}
+        futures = {name: pool.submit(_timed_compile, low) for name, low in lowered.items()}
+        done = {name: future.result() for name, future in futures.items()}
+    return {name: d[0] for name, d in done.items()}, {name: d[1] for name, d in done.items()}
 
 
 def grad_norm_probe(
@@ -439,7 +451,7 @@ def grad_norm_probe(
         )
         for name in dict.fromkeys(["float32", "hand_written", *variant_names])
     }
-    grads_fns = _compile_all(lowered, workers)
+    grads_fns, _ = _compile_all(lowered, workers)
     probe_scale = 1.0
     for k in range(15, -1, -1):
         grads = grads_fns["hand_written"](state_for("hand_written", 2.0**k), images, labels)
@@ -564,7 +576,7 @@ def run(
     """
     from tqdm import tqdm  # pylint: disable=g-import-not-at-top
 
-    workers = workers or os.cpu_count() or 1
+    workers = workers or 1
     machine = machine_info()
     device = jax.devices()[0]
     records, probes = [], {}
@@ -592,9 +604,11 @@ def run(
                                   "large_activation_loss": large.get(name),
                                   "large_activation_loss_float32": large.get("float32")}
                 bar.set_postfix_str(f"{config_name} {model} bs={batch_size}: compiling")
-                compiled = _compile_all(lowered, workers)
+                compiled, compile_s = _compile_all(lowered, workers)
                 for name, row in rows.items():
                     _compiled_figures(row, compiled[name])
+                    row["compile_s"] = compile_s[name]
+                    row["compile_workers"] = workers
                     row["step_time_s"] = row["epoch_time_s"] = None
                 if timed:
                     bar.set_postfix_str(f"{config_name} {model} bs={batch_size}: timing")
@@ -735,23 +749,27 @@ def comparison_table(results: dict[str, Any], config_name: str) -> str:
     """
     lines = [
         "| model | batch | variant | saved MiB | f32/variant | half matmul share | XLA MiB | XLA vs hand "
-        "| HLO ops | HLO vs hand | step s | time vs hand (range) | large-activation loss (float32) |",
-        "|" + "---|" * 13,
+        "| HLO ops | HLO vs hand | step s | time vs hand (range) | compile s | compile vs hand "
+        "| large-activation loss (float32) |",
+        "|" + "---|" * 15,
     ]
     records = [r for r in results["records"] if r["config"] == config_name]
     hands = {(r.get("model", "vit"), r["batch_size"]): r for r in records if r["variant"] == "hand_written"}
     for r in records:
         hand = hands.get((r.get("model", "vit"), r["batch_size"]))
-        xla = hlo = time = "n/a"
+        xla = hlo = time = compile_ratio = "n/a"
         if hand is not None:
             if r.get("xla_total_bytes") and hand.get("xla_total_bytes"):
                 xla = f"{r['xla_total_bytes'] / hand['xla_total_bytes']:.2f}x"
             hlo = f"{r['hlo_ops'] / hand['hlo_ops']:.2f}x"
+            if r.get("compile_s") and hand.get("compile_s"):
+                compile_ratio = f"{r['compile_s'] / hand['compile_s']:.2f}x"
             if r.get("step_times_s") and hand.get("step_times_s"):
                 ratios = sorted(a / b for a, b in zip(r["step_times_s"], hand["step_times_s"]))
                 time = f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
         xla_mib = "n/a" if not r.get("xla_total_bytes") else f"{r['xla_total_bytes'] / 2**20:.0f}"
         step = "n/a" if r.get("step_time_s") is None else f"{r['step_time_s']:.3f}"
+        compile_time = "n/a" if r.get("compile_s") is None else f"{r['compile_s']:.2f}"
         ratio = r.get("saved_bytes_ratio_vs_float32")
         large, large32 = r.get("large_activation_loss"), r.get("large_activation_loss_float32")
         if large is None:
@@ -762,7 +780,7 @@ def comparison_table(results: dict[str, Any], config_name: str) -> str:
             f"| {r.get('model', 'vit')} | {r['batch_size']} | {r['variant']} "
             f"| {r['saved_activation_bytes'] / 2**20:.0f} | {'n/a' if ratio is None else f'{ratio:.2f}'} "
             f"| {r['half_matmul_flop_share']:.3f} | {xla_mib} | {xla} | {r['hlo_ops']} | {hlo} "
-            f"| {step} | {time} | {large} |"
+            f"| {step} | {time} | {compile_time} | {compile_ratio} | {large} |"
         )
     return "\n".join(lines)
 
@@ -785,7 +803,8 @@ def main(argv=None) -> int:
                         help="comma-separated: vit (written for any dtype), plain_vit (naive float32 code)")
     parser.add_argument("--no-probe", action="store_true", help="skip the gradient-norm probe")
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--workers", type=int, default=None, help="parallel compilations (default: cores)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="parallel compilations (default 1: compile times are then comparable)")
     args = parser.parse_args(argv)
 
     if args.quick and "XLA_FLAGS" not in os.environ:

@@ -292,10 +292,12 @@ class Step:
 
             def census_then_run(closed, arrays):
                 census.warn_if_mostly_float32(closed, self.input_dtype, self.api)
-                # Operations on the jaxpr's constants run eagerly in NumPy, which
-                # warns about overflows that tracing the user's code did not.
+                # Each equation bound as traced (nested jits stay calls), so the
+                # program is the one the user's code gives. Operations on the
+                # jaxpr's constants run eagerly in NumPy, which warns about
+                # overflows that tracing the user's code did not.
                 with np.errstate(all="ignore"):
-                    return interpret.Interpreter().eval_closed(closed, arrays)
+                    return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *arrays)
 
             call = interpret.transform(self.call, census_then_run)
         loss, aux = split_aux(call(*args, **kwargs), self.has_aux)
