@@ -180,11 +180,7 @@ class ScalerState:
         # Every concrete state built on the host, including each one a jitted
         # step returns, is read once its step has run (see jaxmp/_src/host.py).
         if self.on_stuck != "off" and host.is_concrete_array(self.alarm):
-            host.watch(_alarm_words(self), functools.partial(_say_alarm, self.settings()))
-
-    def settings(self) -> "ScalerState":
-        """The static fields alone (every array field ``None``)."""
-        return jax.tree_util.tree_map(lambda _: None, self)
+            host.watch(_alarm_words(self), functools.partial(_say_alarm, self))
 
 
 def _check_number(name: str, value: Any, *, integer: bool = False) -> float | int:
@@ -505,7 +501,11 @@ _SAID: set = set()
 
 
 def _say_alarm(settings: ScalerState, words: np.ndarray) -> None:
-    """Host side: says what a state's ``alarm`` means, once per alarm."""
+    """Host side: says what a state's ``alarm`` means, once per alarm.
+
+    Only the settings (static fields) of ``settings`` are read: its arrays may
+    have been donated to a later step.
+    """
     for alarm, alarm_step, steps, streak, skipped in np.asarray(words).reshape(-1, 5).tolist():
         _SAID.difference_update([key for key in _SAID if key[1] > steps])
         if not alarm or (alarm, alarm_step) in _SAID:
