@@ -30,16 +30,18 @@ from examples.equinox import train as vit_example  # noqa: E402
 def saved_activation_bytes(precision: str, config: vit_example.Config) -> int:
     """Bytes the training step keeps for its backward pass, for one batch.
 
-    ``mp_value_and_grad`` casts every floating input of the loss to the compute
-    dtype before differentiating it; ``cast_function`` does the same here, and
-    ``jaxmp.saved_activation_bytes`` sums the residuals of that VJP with
-    ``jax.eval_shape`` (nothing runs, so the figure is the same on any backend).
+    ``mp_value_and_grad`` differentiates the loss under ``jaxmp.autocast`` (its
+    default); the same is done here, and ``jaxmp.saved_activation_bytes`` sums
+    the residuals of that VJP with ``jax.eval_shape`` (nothing runs, so the
+    figure is the same on any backend).
     """
     params, static, _ = vit_example.build(config)
     model = eqx.combine(params, static)
     images = np.zeros((config.batch_size, 8, 8, 1), np.float32)
     labels = np.zeros((config.batch_size,), np.int32)
-    loss_fn = jaxmp.cast_function(vit_example.loss_fn, vit_example.DTYPES[precision])
+    loss_fn = vit_example.loss_fn
+    if precision != "float32":
+        loss_fn = jaxmp.autocast(loss_fn, vit_example.DTYPES[precision])
     return jaxmp.saved_activation_bytes(loss_fn, model, images, labels)
 
 

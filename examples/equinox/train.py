@@ -119,8 +119,9 @@ def make_train_chunk(static, optimizer, precision):
 
     def step(state: TrainState, batch: digits.Split):
         model = eqx.combine(state.params, static)
-        # Takes the module itself; its float leaves are cast to the compute
-        # dtype, the gradients come back in float32 (None for other leaves).
+        # Takes the module itself; autocast (the default) runs its products in
+        # the compute dtype, the gradients come back in float32 (None for
+        # other leaves).
         loss, grads, scaler, finite = grad_fn(
             model, batch.images, batch.labels, scaler_state=state.scaler)
         # Skipped (parameters and Adam moments unchanged) when not finite.

@@ -7,17 +7,18 @@
 
 * the loss function of a linen training loop, ``loss_fn(params, batch_stats,
   images, labels)`` with ``model.apply(..., mutable=["batch_stats"])``, the
-  updated statistics returned through ``has_aux``. ``no_cast_argnums`` passes
-  ``batch_stats`` as they are, float32, while parameters and images are cast to
-  half precision; the new statistics are kept only when the step is finite;
+  updated statistics returned through ``has_aux``. Autocast (jaxmp's default)
+  runs the convolutions and products in half precision and the statistics in
+  float32, and ``batch_stats`` come back float32; the new statistics are kept
+  only when the step is finite;
 * a jitted training step in a Python loop, with the loss-scaler state carried
   like any other state. (Not ``lax.scan`` over steps: on XLA:CPU, convolutions
   inside a loop body run some 50x slower than the same step called from Python,
   jax-ml/jax#12868.)
 
-No ``dtype=`` attribute is set on the modules: jaxmp casts the parameters and
-the inputs to the compute dtype, and linen computes in the dtype of what it
-gets. ``nn.BatchNorm`` computes its statistics and normalises in float32 by
+No ``dtype=`` attribute is needed on the modules: autocast chooses the precision
+of each operation (a module with ``dtype=jnp.float32`` trains in half precision
+too). ``nn.BatchNorm`` computes its statistics and normalises in float32 by
 itself (``force_float32_reductions``) and returns the dtype of its input.
 """
 
@@ -73,8 +74,9 @@ def make_train_step(model: nn.Module, optimizer, precision: str):
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
         return loss, updates["batch_stats"]
 
-    # no_cast_argnums=1: batch_stats reach the loss in float32, as given; the
-    # parameters (argument 0) and the images are cast to the compute dtype.
+    # Autocast (the default) runs the products in the compute dtype whatever the
+    # dtypes of the inputs. no_cast_argnums=1 keeps the state argument exactly
+    # as given if the inputs are cast instead (autocast=False).
     grad_fn = jaxmp.mp_value_and_grad(
         loss_fn, has_aux=True, no_cast_argnums=1, compute_dtype=DTYPES[precision],
         use_mixed_precision=precision != "float32")

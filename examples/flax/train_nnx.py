@@ -18,8 +18,8 @@
   inside a loop body run some 50x slower than the same step called from Python,
   jax-ml/jax#12868.)
 
-No ``dtype=`` attribute is set on the modules: jaxmp casts the parameters and
-the inputs to the compute dtype, and nnx computes in the dtype of what it gets.
+No ``dtype=`` attribute is needed on the modules: autocast (jaxmp's default)
+chooses the precision of each operation, nnx's fixed dtypes included.
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer, precision: str):
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
         return loss, nnx.state(model, nnx.BatchStat)
 
-    # no_cast_argnums=1: the statistics reach the loss in float32, as given;
-    # the parameters (argument 0) and the images are cast to the compute dtype.
+    # Autocast (the default) runs the products in the compute dtype whatever the
+    # dtypes of the inputs. no_cast_argnums=1 keeps the state argument exactly
+    # as given if the inputs are cast instead (autocast=False).
     grad_fn = jaxmp.mp_value_and_grad(
         loss_fn, has_aux=True, no_cast_argnums=1, compute_dtype=DTYPES[precision],
         use_mixed_precision=precision != "float32")

@@ -7,9 +7,9 @@
 
 * a ``hk.transform_with_state`` model trained the way Haiku's own loops are
   written: the state (the BatchNorm statistics) is an argument of the loss and
-  comes back through ``has_aux``. ``no_cast_argnums`` passes it to the loss
-  as it is, float32, while parameters and images are cast to half precision;
-  the new state is kept only when the step's gradients are finite;
+  comes back through ``has_aux``, float32; autocast (jaxmp's default) runs
+  the convolutions and products in half precision; the new state is kept only
+  when the step's gradients are finite;
 * Haiku's own per-module precision driven by ``jaxmp.Policy`` values: the
   network computes in half precision and returns float32 logits, BatchNorm
   computes in float32;
@@ -89,8 +89,9 @@ def make_train_step(model: hk.TransformedWithState, optimizer, precision: str):
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
         return loss, state
 
-    # no_cast_argnums=1: the Haiku state reaches the loss in float32, as given;
-    # the parameters (argument 0) and the images are cast to the compute dtype.
+    # Autocast (the default) runs the products in the compute dtype whatever the
+    # dtypes of the inputs. no_cast_argnums=1 keeps the state argument exactly
+    # as given if the inputs are cast instead (autocast=False).
     grad_fn = jaxmp.mp_value_and_grad(
         loss_fn, has_aux=True, no_cast_argnums=1, compute_dtype=DTYPES[precision],
         use_mixed_precision=precision != "float32")
