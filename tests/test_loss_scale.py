@@ -392,3 +392,24 @@ def test_rare_skips_and_the_first_descent_say_nothing():
         _run_flags(jaxmp.init_scaler(), _skip_pattern(150, 300, skip_first=12))
         # One step in four skipped: a quarter, under the third that is reported.
         _run_flags(jaxmp.noop_scaler(), _skip_pattern(4, 200))
+
+
+def test_alarms_of_replicated_and_batched_scalers():
+    from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+    mesh = jax.make_mesh((4,), ("data",))
+    state = jax.device_put(jaxmp.init_scaler(initial_scale=4.0, stuck_after=3),
+                           NamedSharding(mesh, P()))
+    with pytest.warns(jaxmp.TrainingStuckWarning) as record:
+        _run_flags(state, [False] * 8)  # replicated over 4 devices: said once
+    assert len(record) == 1
+    # A batch of independent scalers (vmap): a lane that gets stuck is said once.
+    states = jax.vmap(lambda _: jaxmp.init_scaler(initial_scale=4.0, stuck_after=3))(jnp.arange(3))
+    step = jax.jit(jax.vmap(jaxmp.adjust))
+    with pytest.warns(jaxmp.TrainingStuckWarning) as record:
+        for _ in range(8):
+            states = step(states, jnp.array([True, False, True]))
+        jax.block_until_ready(states)
+        for _ in range(3):
+            states = step(states, jnp.array([True, False, True]))
+    assert len(record) == 1
+    assert [int(s) for s in states.overflow_streak] == [0, 11, 0]
