@@ -170,5 +170,5 @@ def test_comparison_table_without_float32_among_the_variants():
 
     results = {"records": [record("hand_written", 12.125), record("autocast", 14.5)]}
     table = vit.comparison_table(results, "desktop")
-    assert "| vit | 64 | autocast | 1 | n/a | 1.000 | n/a | n/a | 100 | 1.00x | n/a | n/a | 14.500 |" in table
+    assert "| vit | 64 | autocast | 1 | n/a | 1.000 | n/a | n/a | 100 | 1.00x | n/a | n/a | n/a | n/a | 14.500 |" in table
     assert "| 12.125 |" in table
