@@ -178,3 +178,9 @@ def test_equinox_random_draws_in_the_loss():
     cast_inputs = jaxmp.mp_value_and_grad(loss_fn, compute_dtype=jnp.float16, autocast=False)
     with pytest.raises(TypeError):
         cast_inputs(model, images, key, scaler_state=ns["scaler"])
+
+
+def test_every_code_block_of_the_page_is_in_a_tested_recipe():
+    intro, *sections = re.split(r"^## ", PAGE.read_text(), flags=re.M)
+    assert "```python" not in intro
+    assert {s.splitlines()[0] for s in sections if "```python" in s} == {LINEN, NNX, EQUINOX}
