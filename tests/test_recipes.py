@@ -113,6 +113,17 @@ def test_flax_linen_trainstate():
     assert skipped.apply_fn is state.apply_fn and skipped.tx is state.tx
     assert float(new_scaler.scale) < float(scaler.scale)  # while the scaler reacts
 
+    # The page's alternative, optimizer_update then replace, gives the same states.
+    @jax.jit
+    def alternative_step(state, scaler, x, y):
+        loss, grads, scaler, finite = ns["grad_fn"](state.params, x, y, scaler_state=scaler)
+        params, opt_state = jaxmp.optimizer_update(
+            state.params, state.tx, state.opt_state, grads, finite)
+        return state.replace(params=params, opt_state=opt_state, step=state.step + finite)
+
+    _assert_bitwise_equal(alternative_step(state, scaler, x, y), new)
+    _assert_bitwise_equal(alternative_step(state, scaler, _with_nan(x), y), state)
+
 
 def _rng_count(rest):
     return int(rest["dropout"]["rngs"]["count"].value)
