@@ -53,8 +53,8 @@ def _assert_bitwise_equal(new, old):
         if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
             a, b = jax.random.key_data(a), jax.random.key_data(b)
         assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_array_equal(
-            np.atleast_1d(np.asarray(a)).view(np.uint8), np.atleast_1d(np.asarray(b)).view(np.uint8))
+        a, b = (np.atleast_1d(np.asarray(v)).view(np.uint8) for v in (a, b))
+        np.testing.assert_array_equal(a, b)
 
 
 def _with_nan(x):
