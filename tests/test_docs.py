@@ -28,7 +28,11 @@ PAGES = {
     "accumulation.md": ["getting_started.md"],
     "checkpoint.md": ["getting_started.md"],
     "multi_device.md": ["getting_started.md"],
+    "half_precision_check.md": [],
 }
+# Pages whose code a test file of their own runs and checks, as user code (under
+# standard promotion), rather than these tests: page -> that file.
+RUN_BY = {"recipes.md": "test_recipes.py"}
 # Pages whose code ends with a gradient step that returned `finite`.
 ENDS_WITH_A_STEP = {"framework_state.md", "accumulation.md", "autocast.md", "float16_stuck.md"}
 
@@ -48,7 +52,10 @@ def _run(paths):
 
 def test_every_page_with_python_code_is_run():
     with_code = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md") if _blocks(p)}
-    assert with_code == set(PAGES)
+    assert with_code == set(PAGES) | set(RUN_BY)
+    for page, test_file in RUN_BY.items():
+        assert page not in PAGES
+        assert f'"{page}"' in (ROOT / "tests" / test_file).read_text(), (page, test_file)
 
 
 def test_readme_python_blocks_run_in_order():
