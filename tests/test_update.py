@@ -372,3 +372,14 @@ def test_step_with_messages_still_lowers_for_a_gpu_on_this_machine():
         assert set(flops) == {"float16"}
         step(*args)  # and training still has it
         assert "callback" in str(jax.make_jaxpr(step)(*args))
+
+
+def test_select_tree_selects_numpy_and_python_numbers_and_checks_other_leaves():
+    # A step counter that starts as a Python int (flax's TrainState.create), NumPy leaves.
+    new, old = {"step": 1, "a": np.ones(2)}, {"step": 0, "a": np.zeros(2)}
+    chosen = jaxmp.select_tree(jnp.asarray(True), new, old)
+    assert int(chosen["step"]) == 1 and chosen["a"].tolist() == [1.0, 1.0]
+    kept = jaxmp.select_tree(jnp.asarray(False), new, old)
+    assert int(kept["step"]) == 0 and kept["a"].tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="two different non-array leaves"):
+        jaxmp.select_tree(jnp.asarray(True), {"f": "relu"}, {"f": "gelu"})

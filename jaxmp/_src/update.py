@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxmp._src import casting
@@ -26,9 +27,11 @@ PyTree = Any
 def select_tree(pred: Any, on_true: PyTree, on_false: PyTree) -> PyTree:
     """Picks ``on_true`` or ``on_false`` leaf by leaf, by a scalar boolean ``pred``.
 
-    Array leaves are selected with ``jnp.where``, which copies the chosen value
-    bit for bit (no arithmetic touches it). Non-array leaves must be equal in
-    both trees and are taken from ``on_false``; ``None`` leaves stay ``None``.
+    Array leaves (NumPy arrays included) and Python numbers that differ are
+    selected with ``jnp.where``, which copies the chosen value bit for bit (no
+    arithmetic touches it). Other leaves must be equal in both trees
+    (``ValueError`` otherwise) and are taken from ``on_false`` as they are;
+    ``None`` leaves stay ``None``.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -38,9 +41,14 @@ def select_tree(pred: Any, on_true: PyTree, on_false: PyTree) -> PyTree:
         [0.0, 0.0]
     """
     pred = loss_scale.check_finite_flag(pred)
+    arrays, numbers = (jax.Array, np.ndarray, np.generic), (int, float, complex)
 
     def leaf(t, f):
-        if isinstance(t, jax.Array) or isinstance(f, jax.Array):
+        if isinstance(t, numbers) and isinstance(f, numbers) and t == f:
+            return f  # a setting (an Equinox module's dropout rate): kept as it is
+        if isinstance(t, arrays + numbers) or isinstance(f, arrays + numbers):
+            # NumPy arrays and changed Python numbers too (a step counter that
+            # starts as a Python int, as flax's TrainState.create makes it).
             t, f = jnp.asarray(t), jnp.asarray(f)
             if t.dtype != f.dtype or t.shape != f.shape:
                 raise ValueError(
@@ -48,6 +56,11 @@ def select_tree(pred: Any, on_true: PyTree, on_false: PyTree) -> PyTree:
                     f"{f.dtype}{list(f.shape)}: the update changed a leaf's type."
                 )
             return jnp.where(pred, t, f)
+        if t is not f and t != f:
+            raise ValueError(
+                f"Cannot select between two different non-array leaves, {t!r} and {f!r}: "
+                "select_tree picks arrays; every other leaf must be the same in both trees."
+            )
         return f
 
     return jax.tree_util.tree_map(leaf, on_true, on_false)
