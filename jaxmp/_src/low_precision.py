@@ -15,9 +15,11 @@ a rounding that does not lose small updates:
 * ``"kahan"``: keep what rounding lost in a compensation buffer (in the
   parameters' dtype) and add it back on the next step (Kahan summation).
 
-The returned updates are in the parameters' dtype and chosen so that
-``optax.apply_updates(params, updates)`` (and :func:`jaxmp.optimizer_update`)
-produce exactly the rounded parameters, bit for bit.
+For half-precision parameters the returned updates are float32: the exact
+difference between the rounded and the current parameters, so that
+``optax.apply_updates(params, updates)`` (which adds in float32 and rounds
+back to the parameters' dtype) and :func:`jaxmp.optimizer_update` produce
+exactly the rounded parameters, bit for bit.
 """
 
 from __future__ import annotations
@@ -207,19 +209,22 @@ def stochastic_round(t: jax.Array, dtype: Any, bits: jax.Array) -> jax.Array:
 
 
 def _exact_update(p: jax.Array, rounded: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The update ``d`` in ``p``'s dtype with ``p + d == rounded``, and the value ``p + d``.
+    """The float32 update ``d`` with ``p + d == rounded``, and the value ``p + d`` in ``p``'s dtype.
 
-    ``rounded - p`` is exact in float32 and, whenever the step changes the
-    parameter by at most its own magnitude (``rounded / 2 <= p <= 2 * rounded``:
-    Sterbenz's lemma), exact in ``p``'s dtype as well, so ``p + d`` is
-    ``rounded`` under any evaluation of the sum. A larger step (a sign change,
-    or a value more than doubled or halved in one step) may need more bits
-    than ``p``'s dtype has; the parameter then becomes ``p + d``, one of the
-    two values nearest ``rounded`` that such a step can reach, and that is
-    what is returned as the new value (and what Kahan compensation accounts for).
+    The update is the float32 difference of two half-precision values, which
+    is exact whenever their exponents differ by at most 16 (bfloat16) or 13
+    (float16): always, unless a step takes a parameter to within 2**-16 of its
+    own magnitude of zero. ``optax.apply_updates`` then adds it in float32 and
+    rounds the exact sum back to ``p``'s dtype: ``rounded``, bit for bit.
+
+    An update in ``p``'s own dtype could not do this: ``p + d`` rounded to
+    bfloat16 reaches only every other bfloat16 value near zero when ``d`` is
+    larger than the result (a parameter crossing zero), which happens to a few
+    elements on every step of real training.
     """
-    d = (rounded.astype(jnp.float32) - p.astype(jnp.float32)).astype(p.dtype)
-    return d, (p + d).astype(p.dtype)
+    p32 = p.astype(jnp.float32)
+    d = rounded.astype(jnp.float32) - p32
+    return d, (p32 + d).astype(p.dtype)
 
 
 def _half_update(rounding: str, p, u, c, bits):
@@ -270,11 +275,16 @@ def low_precision_optimizer(
     Every step: the gradients, the parameters and the inner state are widened
     to float32; ``inner.update`` runs in float32; its state is narrowed back to
     ``state_dtype``; and the float32 update is added to each half-precision
-    parameter with ``param_rounding``. The updates returned are in the
-    parameters' dtypes and give exactly the rounded parameters through
-    ``optax.apply_updates`` and :func:`jaxmp.optimizer_update` (bit for bit,
-    whenever a step changes a parameter by less than its own magnitude; see
-    below). float32 (and float64) parameters get the inner update as it is.
+    parameter with ``param_rounding``. For half-precision parameters the
+    updates returned are float32, the exact difference between the rounded and
+    the current parameter: ``optax.apply_updates`` adds them in float32 and
+    rounds the sum back to the parameter's dtype, which gives exactly the
+    rounded parameter, bit for bit (an update in bfloat16 could not: near zero
+    it reaches only every other bfloat16 value). :func:`jaxmp.optimizer_update`
+    applies them as it is; under ``jax_numpy_dtype_promotion("strict")``, call
+    ``optax.apply_updates`` inside ``with jax.numpy_dtype_promotion("standard")``
+    (strict promotion refuses a bfloat16 + float32 sum even when the result is
+    cast back). float32 (and float64) parameters get the inner update as it is.
 
     Which inner-state leaves are narrowed: every floating-point array with at
     least one dimension (moments, accumulated gradients of ``optax.MultiSteps``,
@@ -297,12 +307,10 @@ def low_precision_optimizer(
     spacing higher), like round-to-nearest a little earlier; a non-finite
     parameter makes :func:`jaxmp.optimizer_update` skip the step.
 
-    A step that changes a parameter by more than its own magnitude (a sign
-    change, or more than doubling or halving it) cannot always be written as
-    an update in the parameter's dtype: the parameter then takes the nearest
-    value such an update reaches (within one spacing of the update's size),
-    and Kahan compensation records the difference. Optimizer steps this
-    large are rare outside the first steps of training.
+    The float32 difference is exact unless a single step takes a parameter
+    from ``x`` to a value smaller than ``2**-16 * |x|`` (``2**-13`` in float16)
+    without reaching zero; there the sum lands on a neighbour of the rounded
+    value, and Kahan compensation records the difference.
 
     Args:
         inner: any ``optax.GradientTransformation`` (chains, ``MultiSteps``,
@@ -332,11 +340,12 @@ def low_precision_optimizer(
         >>> state = tx.init(params)
         >>> grads = {"w": jnp.ones(2, jnp.bfloat16)}
         >>> for _ in range(10):  # each step is a quarter of bfloat16's spacing at 1.0
-        ...     updates, state = tx.update(grads, state, params)
-        ...     params = optax.apply_updates(params, updates)
+        ...     params, state = jaxmp.optimizer_update(params, tx, state, grads, jnp.asarray(True))
         >>> params["w"].tolist()  # float32: 0.99; round-to-nearest would have stayed at 1.0
         [0.98828125, 0.98828125]
     """
+    if isinstance(inner, optax.MultiSteps):  # a class with init/update, not a transformation
+        inner = inner.gradient_transformation()
     if not isinstance(inner, optax.GradientTransformation):
         raise TypeError(
             "jaxmp.low_precision_optimizer wraps an optax transformation (e.g. optax.adam(1e-3)); "
