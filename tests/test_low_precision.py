@@ -328,8 +328,10 @@ def test_stochastic_overflow_goes_to_infinity_in_proportion(dtype):
         assert set(np.unique(out)) == {sign * top, sign * np.inf}
         assert abs(np.mean(np.isinf(out)) - 0.25) < 0.02
         # A whole spacing past it (or more): always infinity, as round-to-nearest does.
+        # (bfloat16: the largest float32 is 2**104 short of that, infinity but 2**-16 of the time.)
         beyond = sign * min(top + spacing, float(np.finfo(np.float32).max))
-        assert np.all(np.asarray(_draws(beyond, dtype).astype(jnp.float32)) == sign * np.inf)
+        share = np.mean(np.asarray(_draws(beyond, dtype).astype(jnp.float32)) == sign * np.inf)
+        assert share == 1.0 if dtype == jnp.float16 else share > 0.999
     special = jnp.array([jnp.inf, -jnp.inf, jnp.nan], jnp.float32)
     bits = jnp.array([0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF], jnp.uint32)
     out = np.asarray(low_precision.stochastic_round(special, dtype, bits).astype(jnp.float32))

@@ -135,21 +135,22 @@ def _global_index(shape: tuple[int, ...]) -> jax.Array:
 
 
 def _random_bits(key_data: jax.Array, leaf_number: int, x: jax.Array) -> jax.Array:
-    """``uint32`` random bits shaped like ``x``: a hash of the element's index and the key.
+    """``uint32`` random bits shaped like ``x``: a hash of the element's index, the leaf and the key.
 
-    The key is folded with the leaf's position in the tree, and inside
-    ``shard_map`` with this device's index along the axes over which ``x``
-    varies (a parameter sharded by hand), so no two shards get the same bits.
-    A hash of the index costs a few integer operations per element where
-    ``jax.random.bits`` (threefry) costs about ten times the whole Adam update
-    on a CPU; rounding needs uniform bits, not cryptographic ones.
+    ``key_data`` is the step's raw ``uint32[2]`` key. The leaf's position in the
+    tree, and inside ``shard_map`` this device's index along the axes over
+    which ``x`` varies (a parameter sharded by hand), are mixed into the two
+    seed words, so no two leaves or shards share their bits. A hash costs a few
+    integer operations per element, where ``jax.random.bits`` (threefry) costs
+    about ten times a whole Adam update on a CPU; rounding needs uniform bits,
+    not cryptographic ones.
     """
-    key = jax.random.fold_in(jax.random.wrap_key_data(key_data), leaf_number)
+    seed0, seed1 = key_data[0], key_data[1] ^ _mix(jnp.uint32(leaf_number + 1))
     for name in sorted(sharding.varying_axes(x), key=str):
-        key = jax.random.fold_in(key, jax.lax.axis_index(name))
-    seed = jax.random.key_data(key)
+        device = jax.lax.axis_index(name).astype(jnp.uint32)
+        seed1 = _mix(seed1 ^ (device * jnp.uint32(0x9E3779B9)))
     index = _global_index(x.shape)
-    return _mix(_mix(index ^ seed[0]) ^ seed[1])
+    return _mix(_mix(index ^ seed0) ^ seed1)
 
 
 def _stochastic_round_bfloat16(t: jax.Array, bits: jax.Array) -> jax.Array:

@@ -1,0 +1,325 @@
+"""Half the memory of float32 Adam: bfloat16 parameters and state with three roundings.
+
+Trains two models with the same data, initialisation and optimizer, in five ways:
+
+* ``float32``: float32 master weights and float32 Adam, bfloat16 compute
+  (``jaxmp.mp_value_and_grad(compute_dtype=jnp.bfloat16)``): the reference;
+* ``bf16_optax``: bfloat16 parameters handed to the optax optimizer as they are
+  (bfloat16 state and bfloat16 arithmetic): what people do today, and the
+  plain bfloat16 update the others are timed against;
+* ``nearest``, ``stochastic``, ``kahan``: bfloat16 parameters with
+  ``jaxmp.low_precision_optimizer(inner, state_dtype=jnp.bfloat16,
+  param_rounding=...)``.
+
+Models: the character-level transformer language model of
+``examples/haiku/transformer.py`` (Python's help topics, nothing downloaded)
+and the ViT of ``benchmarks/models.py`` on a synthetic task that can be learnt
+(Gaussian images labelled by a fixed random linear teacher).
+
+For every (model, variant) it records, from the real pytrees and XLA:
+
+* ``bytes_per_param_excluding_fixed``: bytes of the persistent training
+  state (parameters + optimizer state + jaxmp's state: scaler, key, Kahan
+  buffer) per parameter, leaving out ``fixed_bytes``, the leaves of fewer than
+  16 elements (step counts, the PRNG key, the scaler's numbers) that do not
+  grow with the model; ``state_bytes_per_param`` counts everything;
+* ``xla_total_bytes`` / ``xla_temp_bytes``: XLA's memory estimate of the
+  compiled training step (``compiled.memory_analysis()``, state donated);
+* ``final_loss``: held-out loss (float32 evaluation of the trained parameters,
+  fixed batches) and its ratio to the reference;
+* ``update_ms``: the optimizer update alone (``tx.update`` +
+  ``optax.apply_updates`` on the model's parameters and gradients, jitted,
+  state donated), median over rounds that interleave the variants, and its
+  ratio to ``bf16_optax``.
+
+Usage::
+
+    python -m benchmarks.low_precision --out results/low_precision
+    python -m benchmarks.low_precision --out results/lp-quick --quick    # smoke test, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxmp
+from benchmarks import models
+from benchmarks.vit import machine_info
+
+VARIANTS = ("float32", "bf16_optax", "nearest", "stochastic", "kahan")
+FIXED_BELOW = 16  # state leaves with fewer elements than this do not grow with the model
+TARGET_BYTES = {"stochastic": 6.0, "kahan": 8.0}
+TARGET_LOSS_RATIO = 1.01
+TARGET_TIME_RATIO = 1.10
+
+
+class Task(NamedTuple):
+    """A model to train: initial float32 params, loss, batches and held-out batches."""
+
+    name: str
+    params: Any
+    loss: Callable  # (params, x, y) -> scalar
+    batches: list  # [(x, y)] one per step
+    held_out: list  # [(x, y)]
+    inner: Callable[[], optax.GradientTransformation]
+    description: str
+
+
+def _schedule(lr: float, steps: int):
+    return optax.warmup_cosine_decay_schedule(0.0, lr, steps // 10 + 1, steps)
+
+
+def transformer_task(steps: int, quick: bool, lr: float) -> Task:
+    from examples.haiku import transformer as tr  # pylint: disable=g-import-not-at-top
+
+    width, layers, heads, batch, seq = (32, 1, 2, 4, 16) if quick else (128, 2, 4, 16, 64)
+    corpus = tr.load_corpus()
+    model = tr.make_model(len(corpus.vocab), width, layers, heads)
+    params = model.init(jax.random.key(0), np.zeros((1, seq), np.int32))
+    data = list(tr.batches(corpus.train, batch, seq, steps, seed=0))
+    held_out = list(tr.batches(corpus.test, batch, seq, 8, seed=1234))
+
+    def inner():  # the example's optimizer
+        return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(_schedule(lr, steps)))
+
+    return Task("transformer", params, tr.make_loss_fn(model), data, held_out, inner,
+                f"examples/haiku/transformer.py: width {width}, {layers} layers, {heads} heads, "
+                f"batch {batch}x{seq} characters, {steps} steps, Adam peak lr {lr:g} "
+                "(warmup-cosine), clip 1.0")
+
+
+def vit_task(steps: int, quick: bool, lr: float) -> Task:
+    config = models.TINY_VIT if quick else models.ViTConfig(
+        image_size=16, patch_size=4, channels=3, width=64, depth=2, heads=4, mlp_dim=128,
+        num_classes=10)
+    batch = 8 if quick else 32
+    params = models.init_vit(jax.random.key(0), config)
+    dim = config.image_size * config.image_size * config.channels
+    teacher = jax.random.normal(jax.random.key(42), (dim, config.num_classes))
+
+    def make(key):
+        images = jax.random.normal(key, (batch, config.image_size, config.image_size,
+                                         config.channels))
+        labels = jnp.argmax(images.reshape(batch, dim) @ teacher, axis=-1).astype(jnp.int32)
+        return images, labels
+
+    data = [make(jax.random.fold_in(jax.random.key(1), i)) for i in range(steps)]
+    held_out = [make(jax.random.fold_in(jax.random.key(2), i)) for i in range(8)]
+
+    def loss(p, x, y):
+        return models.vit_loss(p, x.astype(jax.tree_util.tree_leaves(p)[0].dtype), y, config)
+
+    def inner():
+        return optax.adam(_schedule(lr, steps))
+
+    return Task("vit", params, loss, data, held_out, inner,
+                f"benchmarks/models.py ViT: {config.image_size}x{config.image_size} images, patch "
+                f"{config.patch_size}, width {config.width}, depth {config.depth}, "
+                f"{config.num_classes} classes (random linear teacher), batch {batch}, "
+                f"{steps} steps, Adam peak lr {lr:g} (warmup-cosine)")
+
+
+def optimizer_for(variant: str, task: Task) -> tuple[Any, optax.GradientTransformation]:
+    """Initial parameters and optimizer of a variant."""
+    if variant == "float32":  # a copy: the steps donate their state
+        return jax.tree_util.tree_map(jnp.copy, task.params), task.inner()
+    params = jaxmp.cast_to_bfloat16(task.params)
+    if variant == "bf16_optax":
+        return params, task.inner()
+    return params, jaxmp.low_precision_optimizer(task.inner(), state_dtype=jnp.bfloat16,
+                                                 param_rounding=variant, seed=0)
+
+
+def tree_bytes(tree) -> int:
+    return int(sum(np.asarray(x).nbytes if not hasattr(x, "nbytes") else x.nbytes
+                   for x in jax.tree_util.tree_leaves(tree)))
+
+
+def run_variant(task: Task, variant: str) -> dict[str, Any]:
+    params, tx = optimizer_for(variant, task)
+    grad_fn = jaxmp.mp_value_and_grad(task.loss, compute_dtype=jnp.bfloat16)
+
+    def step(state, x, y):
+        p, opt_state, scaler = state
+        loss, grads, scaler, finite = grad_fn(p, x, y, scaler_state=scaler)
+        p, opt_state = jaxmp.optimizer_update(p, tx, opt_state, grads, finite)
+        return (p, opt_state, scaler), loss
+
+    state = (params, tx.init(params), jaxmp.noop_scaler())
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    row: dict[str, Any] = {
+        "model": task.name, "variant": variant, "params": int(n_params),
+        "state_bytes": tree_bytes(state),
+        "param_bytes": tree_bytes(state[0]),
+        "optimizer_state_bytes": tree_bytes(state[1]),
+        "scaler_state_bytes": tree_bytes(state[2]),
+    }
+    row["state_bytes_per_param"] = row["state_bytes"] / n_params
+    # Counts, keys, scalar hyperparameters and the scaler: a few bytes whatever the model.
+    row["fixed_bytes"] = int(sum(x.nbytes for x in jax.tree_util.tree_leaves(state)
+                                 if x.size < FIXED_BELOW))
+    row["bytes_per_param_excluding_fixed"] = (row["state_bytes"] - row["fixed_bytes"]) / n_params
+
+    jitted = jax.jit(step, donate_argnums=0)
+    compiled = jitted.lower(state, *task.batches[0]).compile()
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        row["xla_argument_bytes"] = int(mem.argument_size_in_bytes)
+        row["xla_output_bytes"] = int(mem.output_size_in_bytes)
+        row["xla_temp_bytes"] = int(mem.temp_size_in_bytes)
+        row["xla_alias_bytes"] = int(mem.alias_size_in_bytes)
+        row["xla_total_bytes"] = int(mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                     + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+
+    losses = []
+    start = time.perf_counter()
+    for x, y in task.batches:
+        state, loss = compiled(state, x, y)
+        losses.append(loss)
+    jax.block_until_ready(state)
+    row["train_seconds"] = time.perf_counter() - start
+    losses = np.asarray(jax.device_get(losses), np.float64)
+    row["train_loss_last20"] = float(losses[-20:].mean())
+    evaluate = jax.jit(task.loss)
+    final = jaxmp.cast_to_float32(state[0])
+    row["final_loss"] = float(np.mean([float(evaluate(final, x, y)) for x, y in task.held_out]))
+    row["finite"] = bool(np.all(np.isfinite(losses)))
+    return row
+
+
+def time_updates(task: Task, rounds: int, calls: int) -> dict[str, float]:
+    """Median milliseconds of one optimizer update (tx.update + apply_updates) per variant."""
+    grads32 = jax.grad(task.loss)(task.params, *task.batches[0])
+    setups = {}
+    for variant in VARIANTS:
+        params, tx = optimizer_for(variant, task)
+        grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads32, params)
+
+        def update(p, s, g, tx=tx):
+            with jax.numpy_dtype_promotion("standard"):
+                u, s = tx.update(g, s, p)
+                return optax.apply_updates(p, u), s
+
+        fn = jax.jit(update, donate_argnums=(0, 1))
+        state = (params, tx.init(params))
+        state = fn(*state, grads)  # compile and warm up
+        jax.block_until_ready(state)
+        setups[variant] = [fn, state, grads]
+    times = {v: [] for v in VARIANTS}
+    for _ in range(rounds):
+        for variant in VARIANTS:
+            fn, state, grads = setups[variant]
+            start = time.perf_counter()
+            for _ in range(calls):
+                state = fn(*state, grads)
+            jax.block_until_ready(state)
+            times[variant].append((time.perf_counter() - start) / calls)
+            setups[variant][1] = state
+    return {v: 1000 * statistics.median(t) for v, t in times.items()}
+
+
+def add_relative(rows: list[dict[str, Any]], update_ms: dict[str, float]) -> None:
+    ref = next(r for r in rows if r["variant"] == "float32")
+    for row in rows:
+        row["update_ms"] = update_ms[row["variant"]]
+        row["update_time_vs_bf16_optax"] = update_ms[row["variant"]] / update_ms["bf16_optax"]
+        row["final_loss_vs_float32"] = row["final_loss"] / ref["final_loss"]
+        row["state_bytes_vs_float32"] = row["state_bytes"] / ref["state_bytes"]
+        if "xla_total_bytes" in row and "xla_total_bytes" in ref:
+            row["xla_total_vs_float32"] = row["xla_total_bytes"] / ref["xla_total_bytes"]
+        targets = {}
+        if row["variant"] in TARGET_BYTES:
+            targets["bytes_per_param"] = (row["bytes_per_param_excluding_fixed"]
+                                          <= TARGET_BYTES[row["variant"]])
+            targets["final_loss_within_1pct"] = row["final_loss_vs_float32"] <= TARGET_LOSS_RATIO
+            targets["update_time_within_10pct"] = (
+                row["update_time_vs_bf16_optax"] <= TARGET_TIME_RATIO)
+        if row["variant"] == "nearest":
+            targets["fails_loss_target (expected)"] = row["final_loss_vs_float32"] > TARGET_LOSS_RATIO
+        row["targets"] = targets
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = [f"Machine: {results['machine']['cpu']}, {results['machine']['cores']} cores, "
+             f"{results['machine']['backend']} backend, jax {results['machine']['jax_version']}.",
+             f"Command: `{results['command']}`", ""]
+    for task in results["tasks"]:
+        lines.append(f"**{task['name']}**: {task['description']}; "
+                     f"{task['rows'][0]['params']:,} parameters.")
+        lines.append("")
+        lines.append("| variant | state bytes/param | + fixed bytes | XLA step estimate (MiB) | "
+                     "final loss | vs float32 | update (ms) | vs bf16 optax |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for r in task["rows"]:
+            xla = f"{r['xla_total_bytes'] / 2**20:.2f}" if "xla_total_bytes" in r else "n/a"
+            lines.append(
+                f"| {r['variant']} | {r['bytes_per_param_excluding_fixed']:.2f} | "
+                f"{r['fixed_bytes']} | {xla} | "
+                f"{r['final_loss']:.4f} | {100 * (r['final_loss_vs_float32'] - 1):+.2f}% | "
+                f"{r['update_ms']:.3f} | {r['update_time_vs_bf16_optax']:.2f}x |")
+        lines.append("")
+        checks = []
+        for r in task["rows"]:
+            for name, ok in r["targets"].items():
+                checks.append(f"{r['variant']} {name}: {'met' if ok else 'NOT met'}")
+        lines.append("Targets: " + "; ".join(checks) + ".")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="directory for results.json and results.md")
+    parser.add_argument("--quick", action="store_true", help="tiny models and few steps (a smoke test)")
+    parser.add_argument("--models", default="transformer,vit")
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default 600, quick 10)")
+    parser.add_argument("--transformer-lr", type=float, default=3e-4)
+    parser.add_argument("--vit-lr", type=float, default=3e-4)
+    parser.add_argument("--rounds", type=int, default=None, help="timing rounds (default 15, quick 2)")
+    parser.add_argument("--calls", type=int, default=20, help="updates per timing round")
+    args = parser.parse_args(argv)
+    steps = args.steps or (10 if args.quick else 600)
+    rounds = args.rounds or (2 if args.quick else 15)
+    makers = {"transformer": lambda: transformer_task(steps, args.quick, args.transformer_lr),
+              "vit": lambda: vit_task(steps, args.quick, args.vit_lr)}
+    results: dict[str, Any] = {
+        "machine": machine_info(),
+        "command": "python -m benchmarks.low_precision " + " ".join(
+            sys.argv[1:] if argv is None else argv),
+        "tasks": [],
+    }
+    for name in args.models.split(","):
+        task = makers[name]()
+        rows = []
+        for variant in VARIANTS:
+            row = run_variant(task, variant)
+            print(f"{name:12s} {variant:11s} final loss {row['final_loss']:.4f}  "
+                  f"{row['state_bytes_per_param']:.3f} bytes/param  "
+                  f"trained in {row['train_seconds']:.1f} s", flush=True)
+            rows.append(row)
+        add_relative(rows, time_updates(task, rounds, args.calls))
+        results["tasks"].append({"name": name, "description": task.description, "rows": rows})
+    text = markdown(results)
+    print()
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(args.out, "results.md"), "w", encoding="utf-8") as f:
+        f.write(text + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
