@@ -29,8 +29,11 @@ For every (model, variant) it records, from the real pytrees and XLA:
   fixed batches) and its ratio to the reference;
 * ``update_ms``: the optimizer update alone (``tx.update`` +
   ``optax.apply_updates`` on the model's parameters and gradients, jitted,
-  state donated), median over rounds that interleave the variants, and its
-  ratio to ``bf16_optax``.
+  state donated), median over rounds that interleave the variants, and
+  ``update_time_vs_bf16_optax``, the median over rounds of its ratio to
+  ``bf16_optax`` in the same round; the same for one large parameter
+  (``--large-leaf``), where the cost per element shows without the cost per
+  kernel launch that dominates models of small arrays on a CPU.
 
 Usage::
 
@@ -204,11 +207,17 @@ def run_variant(task: Task, variant: str) -> dict[str, Any]:
     return row
 
 
-def time_updates(task: Task, rounds: int, calls: int) -> dict[str, float]:
-    """Median milliseconds of one optimizer update (tx.update + apply_updates) per variant."""
-    grads32 = jax.grad(task.loss)(task.params, *task.batches[0])
+def time_updates(params32, grads32, inner, rounds: int, calls: int) -> dict[str, Any]:
+    """Milliseconds of one optimizer update (tx.update + apply_updates) per variant.
+
+    Rounds interleave the variants, so that load from other processes on a
+    shared machine hits them alike. Returns the median time of each variant
+    and the median over rounds of its time relative to ``bf16_optax`` in the
+    same round.
+    """
     setups = {}
     for variant in VARIANTS:
+        task = Task("", params32, None, [], [], inner, "")
         params, tx = optimizer_for(variant, task)
         grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads32, params)
 
@@ -232,14 +241,25 @@ def time_updates(task: Task, rounds: int, calls: int) -> dict[str, float]:
             jax.block_until_ready(state)
             times[variant].append((time.perf_counter() - start) / calls)
             setups[variant][1] = state
-    return {v: 1000 * statistics.median(t) for v, t in times.items()}
+    return {
+        "ms": {v: 1000 * statistics.median(t) for v, t in times.items()},
+        "vs_bf16_optax": {v: statistics.median(a / b for a, b in zip(t, times["bf16_optax"]))
+                          for v, t in times.items()},
+    }
 
 
-def add_relative(rows: list[dict[str, Any]], update_ms: dict[str, float]) -> None:
+def large_leaf_timing(size: int, rounds: int, calls: int) -> dict[str, Any]:
+    """The same update timing on one parameter of ``size`` elements (no per-leaf overhead)."""
+    params = {"w": 0.05 * jax.random.normal(jax.random.key(0), (size,))}
+    grads = {"w": jax.random.normal(jax.random.key(1), (size,))}
+    return time_updates(params, grads, lambda: optax.adam(1e-3), rounds, calls)
+
+
+def add_relative(rows: list[dict[str, Any]], timing: dict[str, Any]) -> None:
     ref = next(r for r in rows if r["variant"] == "float32")
     for row in rows:
-        row["update_ms"] = update_ms[row["variant"]]
-        row["update_time_vs_bf16_optax"] = update_ms[row["variant"]] / update_ms["bf16_optax"]
+        row["update_ms"] = timing["ms"][row["variant"]]
+        row["update_time_vs_bf16_optax"] = timing["vs_bf16_optax"][row["variant"]]
         row["final_loss_vs_float32"] = row["final_loss"] / ref["final_loss"]
         row["state_bytes_vs_float32"] = row["state_bytes"] / ref["state_bytes"]
         if "xla_total_bytes" in row and "xla_total_bytes" in ref:
@@ -281,6 +301,16 @@ def markdown(results: dict[str, Any]) -> str:
                 checks.append(f"{r['variant']} {name}: {'met' if ok else 'NOT met'}")
         lines.append("Targets: " + "; ".join(checks) + ".")
         lines.append("")
+    if results.get("large_leaf"):
+        big = results["large_leaf"]
+        lines.append(f"**Update of one parameter of {big['size']:,} elements** (Adam, lr 1e-3; "
+                     "no per-leaf kernel overhead):")
+        lines.append("")
+        lines.append("| variant | update (ms) | vs bf16 optax |")
+        lines.append("|---|---:|---:|")
+        for v in VARIANTS:
+            lines.append(f"| {v} | {big['ms'][v]:.3f} | {big['vs_bf16_optax'][v]:.2f}x |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -293,10 +323,17 @@ def main(argv=None) -> dict[str, Any]:
     parser.add_argument("--transformer-lr", type=float, default=3e-4)
     parser.add_argument("--vit-lr", type=float, default=3e-4)
     parser.add_argument("--rounds", type=int, default=None, help="timing rounds (default 15, quick 2)")
-    parser.add_argument("--calls", type=int, default=20, help="updates per timing round")
+    parser.add_argument("--calls", type=int, default=None,
+                        help="updates per timing round (default 50, quick 5)")
+    parser.add_argument("--large-leaf", type=int, default=None,
+                        help="also time the update of one parameter of this many elements "
+                             "(default 2**21, quick 0: off)")
     args = parser.parse_args(argv)
     steps = args.steps or (10 if args.quick else 300)
-    rounds = args.rounds or (2 if args.quick else 15)
+    rounds = args.rounds or (2 if args.quick else 31)
+    args.calls = args.calls or (5 if args.quick else 50)
+    if args.large_leaf is None:
+        args.large_leaf = 0 if args.quick else 2**21
     makers = {"transformer": lambda: transformer_task(steps, args.quick, args.transformer_lr),
               "vit": lambda: vit_task(steps, args.quick, args.vit_lr)}
     results: dict[str, Any] = {
@@ -314,8 +351,12 @@ def main(argv=None) -> dict[str, Any]:
                   f"{row['state_bytes_per_param']:.3f} bytes/param  "
                   f"trained in {row['train_seconds']:.1f} s", flush=True)
             rows.append(row)
-        add_relative(rows, time_updates(task, rounds, args.calls))
+        grads32 = jax.grad(task.loss)(task.params, *task.batches[0])
+        add_relative(rows, time_updates(task.params, grads32, task.inner, rounds, args.calls))
         results["tasks"].append({"name": name, "description": task.description, "rows": rows})
+    if args.large_leaf:
+        results["large_leaf"] = {"size": args.large_leaf, **large_leaf_timing(
+            args.large_leaf, rounds, max(1, args.calls // 10))}
     text = markdown(results)
     print()
     print(text)
