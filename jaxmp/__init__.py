@@ -30,6 +30,8 @@ from jaxmp._src.loss_scale import static_scaler
 from jaxmp._src.loss_scale import TrainingStuckError
 from jaxmp._src.loss_scale import TrainingStuckWarning
 from jaxmp._src.loss_scale import unscale
+from jaxmp._src.low_precision import low_precision_optimizer
+from jaxmp._src.low_precision import LowPrecisionState
 from jaxmp._src.nonfinite import find_nonfinite
 from jaxmp._src.nonfinite import Finding
 from jaxmp._src.nonfinite import NonfiniteReport
@@ -59,6 +61,8 @@ __all__ = (
     "half_matmul_flop_share",
     "init_scaler",
     "is_float_array",
+    "low_precision_optimizer",
+    "LowPrecisionState",
     "matmul_flops",
     "mp_grad",
     "MostlyFloat32Warning",
