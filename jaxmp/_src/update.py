@@ -74,7 +74,9 @@ def _warn_update_not_finite() -> None:
         "optimizer state are kept in half precision (Adam's second moment or an update overflows "
         "float16). Keep master weights in float32: cast them with jaxmp.cast_to_float32 before "
         "optimizer.init, and let mp_value_and_grad cast them to the compute dtype; with Haiku "
-        "policies use params=float32 (jaxmp.get_policy('p=f32,c=f16,o=f32')).",
+        "policies use params=float32 (jaxmp.get_policy('p=f32,c=f16,o=f32')). To keep "
+        "half-precision parameters, keep them in bfloat16 (float32's range) with "
+        "jaxmp.low_precision_optimizer(..., param_rounding='stochastic').",
         RuntimeWarning,
         stacklevel=1,
     )
