@@ -8,15 +8,12 @@ FLOPs in half precision, in float16 and bfloat16; the cast-inputs path
 
 import warnings
 
-import equinox as eqx
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 import pytest
-from flax import nnx
 
 import jaxmp
+from benchmarks.real_code import PATTERNS
 
 DTYPES = [jnp.float16, jnp.bfloat16]
 
@@ -27,100 +24,6 @@ def _standard_promotion():
     # promotion, not the strict one the rest of the suite uses.
     with jax.numpy_dtype_promotion("standard"):
         yield
-
-
-class LinenMLP(nn.Module):
-    """Layers that fix their dtype to float32, as many public models do."""
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.relu(nn.Dense(32, dtype=jnp.float32)(x))
-        return nn.Dense(4, dtype=jnp.float32)(x)
-
-
-def _linen_fixed_dtype():
-    model = LinenMLP()
-    x, y = jnp.ones((8, 16)), jnp.zeros((8, 4))
-    params = model.init(jax.random.key(0), x)
-
-    def loss(params, x, y):
-        return jnp.mean((model.apply(params, x) - y) ** 2)
-
-    return loss, (params, x, y)
-
-
-def _linen_batch_in_closure():
-    model = nn.Dense(8)
-    x, y = jnp.ones((8, 16)), jnp.zeros((8, 8))
-    params = model.init(jax.random.key(0), x)
-
-    def loss(params):  # the batch is captured, not passed
-        return jnp.mean((model.apply(params, x) - y) ** 2)
-
-    return loss, (params,)
-
-
-class Vae(nn.Module):
-    @nn.compact
-    def __call__(self, x, key):
-        mean = nn.Dense(8)(nn.relu(nn.Dense(32)(x)))
-        z = mean + jax.random.normal(key, mean.shape)  # float32 noise drawn in the loss
-        return nn.Dense(16)(nn.relu(nn.Dense(64)(z)))  # the decoder: most of the FLOPs
-
-
-def _linen_noise_in_loss():
-    model = Vae()
-    x = jnp.ones((8, 16))
-    params = model.init(jax.random.key(0), x, jax.random.key(1))
-
-    def loss(params, x, key):
-        return jnp.mean((model.apply(params, x, key) - x) ** 2)
-
-    return loss, (params, x, jax.random.key(2))
-
-
-class NnxLM(nnx.Module):
-    def __init__(self, rngs):
-        self.embed = nnx.Embed(50, 16, rngs=rngs)  # fixes its dtype to the parameters'
-        self.hidden = nnx.Linear(16, 32, rngs=rngs)
-        self.out = nnx.Linear(32, 50, rngs=rngs)
-
-    def __call__(self, tokens):
-        return self.out(nnx.relu(self.hidden(self.embed(tokens))))
-
-
-def _nnx_embed():
-    graphdef, params = nnx.split(NnxLM(nnx.Rngs(0)))
-    tokens = jnp.arange(16).reshape(2, 8) % 50
-
-    def loss(params, tokens):
-        logits = nnx.merge(graphdef, params)(tokens)
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits.astype(jnp.float32), tokens).mean()
-
-    return loss, (params, tokens)
-
-
-def _equinox_noise_then_conv():
-    conv = eqx.nn.Conv2d(3, 4, 3, padding=1, key=jax.random.key(0))
-    params, static = eqx.partition(conv, eqx.is_inexact_array)
-    images = jnp.ones((2, 3, 8, 8))
-
-    def loss(params, images, key):
-        model = eqx.combine(params, static)
-        noisy = images + jax.random.normal(key, images.shape)  # float32 noise
-        return jnp.mean(jax.vmap(model)(noisy) ** 2)
-
-    return loss, (params, images, jax.random.key(3))
-
-
-PATTERNS = {
-    "linen_dtype_float32": _linen_fixed_dtype,
-    "linen_batch_in_closure": _linen_batch_in_closure,
-    "linen_noise_in_loss": _linen_noise_in_loss,
-    "nnx_embed": _nnx_embed,
-    "equinox_noise_then_conv": _equinox_noise_then_conv,
-}
 
 
 def _half_share(loss, args, **options):
@@ -155,7 +58,7 @@ def test_casting_the_inputs_says_it_computes_in_float32(pattern):
 
 
 def test_the_float32_warning_is_said_once_per_gradient_function():
-    loss, args = _linen_fixed_dtype()
+    loss, args = PATTERNS["linen_dtype_float32"]()
     grad_fn = jax.jit(jaxmp.mp_value_and_grad(loss, autocast=False))
     scaler = jaxmp.init_scaler()
     with pytest.warns(jaxmp.MostlyFloat32Warning):
@@ -167,9 +70,17 @@ def test_the_float32_warning_is_said_once_per_gradient_function():
 
 
 def test_equinox_noise_with_cast_inputs_fails_clearly_and_autocast_trains():
-    loss, args = _equinox_noise_then_conv()
+    loss, args = PATTERNS["equinox_noise_then_conv"]()
     with pytest.raises(TypeError):
         jaxmp.mp_value_and_grad(loss, autocast=False)(*args, scaler_state=jaxmp.init_scaler())
     _, grads, _, finite = jax.jit(jaxmp.mp_value_and_grad(loss))(
         *args, scaler_state=jaxmp.init_scaler())
     assert bool(finite) and grads.weight.dtype == jnp.float32
+
+
+def test_the_benchmark_table_has_every_pattern_in_both_dtypes():
+    from benchmarks import real_code  # pylint: disable=g-import-not-at-top
+    rows = [{"pattern": p, "compute_dtype": d, "autocast_false": 0.0, "default": 1.0}
+            for p in sorted(PATTERNS) for d in ("float16", "bfloat16")]
+    table = real_code.markdown(rows)
+    assert table.count("| 100% |") == 2 * len(PATTERNS) and "| nnx_embed | bfloat16 | 0% |" in table
