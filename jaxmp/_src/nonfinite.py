@@ -455,17 +455,22 @@ class _Shadow(interpret.Interpreter):
         float_in = [(h, s) for h, s in invals if casting.is_float_array(h) and h.size]
         in_h = [h for h, _ in float_in]
         in_s = [s for _, s in float_in]
+        everywhere = _finite_everywhere(eqn, in_h)
         for i, (h, s) in enumerate(zip(outs, shadow_outs)):
             if not casting.is_float_array(h) or h.size == 0:
                 continue
             site = self._site(eqn, i, h)
             if any(isinstance(x, jax.core.Tracer) for x in (*in_h, *in_s, h, s)):
-                # Inside a loop, cond, checkpoint or custom rule: check on the host at run time.
-                jax.debug.callback(functools.partial(self._host_check, site), in_h, in_s, h, s)
+                # Inside a loop, cond, checkpoint, custom rule or mapping: check on
+                # the host at run time.
+                jax.debug.callback(functools.partial(self._host_check, site), in_h, in_s, h, s,
+                                   everywhere)
             else:
-                self._host_check(site, in_h, in_s, h, s)
+                self._host_check(site, in_h, in_s, h, s, everywhere)
 
-    def _host_check(self, site, in_h, in_s, h, s):
+    def _host_check(self, site, in_h, in_s, h, s, everywhere=None):
+        if everywhere is not None and not bool(np.asarray(everywhere)):
+            return  # a collective passed on another member's inf: found where it was made
         stats = _stats(*jax.device_get((in_h, in_s, h, s)))
         if stats[0]:
             self._record(site, *stats[1:])
@@ -488,6 +493,31 @@ class _Shadow(interpret.Interpreter):
             self.records[key] = dict(count=count, half_max=float(half_max),
                                      float32_max=float(f32_max), float32_min=float(f32_min),
                                      input_max=float(in_max))
+
+
+# Collectives, and the parameter that names their axes.
+_COLLECTIVES = {"psum": "axes", "psum_invariant": "axes", "pmax": "axes", "pmin": "axes",
+                "all_gather": "axis_name", "all_gather_invariant": "axis_name",
+                "reduce_scatter": "axis_name", "all_to_all": "axis_name",
+                "ppermute": "axis_name", "pbroadcast": "axis_name"}
+
+
+def _finite_everywhere(eqn, in_h: list):
+    """For a collective, whether its inputs are finite on every member of its axes, else None.
+
+    A collective's result holds other members' values: an inf it receives was
+    made elsewhere, and is reported there, not at the collective.
+    """
+    key = _COLLECTIVES.get(eqn.primitive.name)
+    if key is None or not in_h:
+        return None
+    axes = eqn.params.get(key)
+    axes = tuple(a for a in (axes if isinstance(axes, (tuple, list)) else (axes,))
+                 if a is not None and not isinstance(a, int))
+    if not axes:
+        return None
+    here = jnp.stack([jnp.all(jnp.isfinite(h)) for h in in_h]).all().astype(jnp.int32)
+    return jax.lax.pmin(here, axes)
 
 
 def _f32(x) -> np.ndarray:
@@ -698,8 +728,11 @@ def find_nonfinite(
     step over it: the function is then evaluated inside that mapping (each
     member's or device's findings reach the host through
     ``jax.debug.callback``; the first one of each operation is kept) and the
-    report is returned by the outer call, as usual. The returned function
-    itself must be called outside ``jit``, ``vmap`` and ``shard_map``.
+    report is returned by the outer call, as usual. That mapped evaluation
+    is compiled as one program (evaluating ``shard_map`` eagerly with
+    callbacks is too slow), with XLA's excess precision turned off, so that
+    every half-precision result is still rounded to its dtype. The returned
+    function itself must be called outside ``jit``, ``vmap`` and ``shard_map``.
 
     Args:
         loss_fn: the loss function, as given to :func:`jaxmp.mp_value_and_grad`.
@@ -816,7 +849,13 @@ def find_nonfinite(
             axes = devices.axes or sharding.manual_axes()
             return jax.lax.pmean(losses, axes) if axes else losses
 
-        losses = diagnose(*args, **kwargs) if mapped is None else mapped(diagnose)(*args, **kwargs)
+        if mapped is None:
+            losses = diagnose(*args, **kwargs)  # eagerly, one operation at a time
+        else:
+            # One compiled program, as the training step; XLA must round every
+            # half-precision result to its dtype, as the eager evaluation does.
+            losses = jax.jit(mapped(diagnose)).lower(*args, **kwargs).compile(
+                {"xla_allow_excess_precision": False})(*args, **kwargs)
         jax.effects_barrier()  # every record from a callback is in before the report is read
         loss, loss_float32 = np.asarray(losses, np.float32).reshape(-1, 2)[0] / scale
         forward = _collect(fwd, lambda site: "forward", scale, half, set(), autocast)
