@@ -794,6 +794,10 @@ def find_nonfinite(
         loss_fn, api="jaxmp.find_nonfinite", argnums=argnums, no_cast_argnums=no_cast_argnums,
         has_aux=has_aux, compute_dtype=compute_dtype, use_mixed_precision=True,
         axis_name=axis_name, autocast=autocast)
+    # Not the trace-time share-of-half-precision check of the training step: it
+    # re-evaluates the loss's jaxpr with nested jits inlined, and their
+    # operations would lose the user's line they are reported at.
+    step.checked_half_share.append(True)
     half = casting.canonical_float_dtype(compute_dtype, allowed=casting.COMPUTE_DTYPES,
                                          what="compute_dtype")
     if not casting.is_half_dtype(half):
