@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import textwrap
 import threading
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -209,8 +210,7 @@ class NonfiniteReport(NamedTuple):
         for r in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
         info = jnp.finfo(half)
-        lines += [
-            "",
+        legend = (
             "Each row is one operation's result. wrong/size: its elements that are inf or NaN "
             f"(overflow) or flushed to zero (underflow) in {half}, of all its elements. "
             f"{half} max|x|: the largest magnitude of the result as computed in {half} (inf once "
@@ -220,8 +220,8 @@ class NonfiniteReport(NamedTuple):
             f"{half} holds {float(info.smallest_subnormal):.3g} to {float(info.max):.6g}. "
             "Backward values include the loss scale. where: the line of your code (after "
             "'<-', the line of your code that calls the library the operation is in), or the "
-            "pytree path of an argument leaf that is cast to " + half + ".",
-            ""]
+            "pytree path of an argument leaf that is cast to " + half + ".")
+        lines += ["", *textwrap.wrap(legend, 100), ""]
         seen = set()
         for f in self.findings:
             if f.hint not in seen:
