@@ -861,7 +861,8 @@ def find_nonfinite(
             losses = jax.jit(mapped(diagnose)).lower(*args, **kwargs).compile(
                 {"xla_allow_excess_precision": False})(*args, **kwargs)
         jax.effects_barrier()  # every record from a callback is in before the report is read
-        loss, loss_float32 = np.asarray(losses, np.float32).reshape(-1, 2)[0] / scale
+        # Averaged over the axis already; a mapping without axis_name gives one pair per member.
+        loss, loss_float32 = np.asarray(losses, np.float32).reshape(-1, 2).mean(0) / scale
         forward = _collect(fwd, lambda site: "forward", scale, half, set(), autocast)
         skip = {(f.primitive, f.where, f.dtype, f.size, f.kind) for f in forward}
         backward = _collect(bwd, lambda site: "backward", scale, half, skip, autocast)
