@@ -266,6 +266,10 @@ def test_bad_options_raise_clear_errors():
         jaxmp.find_nonfinite(lambda w: w * 2.0, autocast=False)(jnp.ones(3))
     with pytest.raises(TypeError, match="pair"):
         jaxmp.find_nonfinite(lambda w: jnp.sum(w), has_aux=True, autocast=False)(jnp.ones(3))
+    with pytest.raises(ValueError, match="reduce_dtype must be one of"):  # as the step's
+        jaxmp.find_nonfinite(exp_loss, reduce_dtype=jnp.int32)
+    with pytest.raises(TypeError, match="positional"):  # the step's options are keywords
+        jaxmp.find_nonfinite(exp_loss, jnp.float16, 0, False, True, (), "batch")
     with pytest.raises(TypeError, match="jaxmp.ScalerState"):
         jaxmp.find_nonfinite(exp_loss, autocast=False)(jnp.ones(4), jnp.ones((2, 4)), scaler_state=1.0)
 

@@ -697,7 +697,9 @@ def find_nonfinite(
     has_aux: bool = False,
     autocast: bool = True,
     no_cast_argnums: int | Sequence[int] = (),
+    *,
     axis_name: Any = None,
+    reduce_dtype: Any = None,
     mapped: Callable[[Callable], Callable] | None = None,
 ) -> Callable[..., NonfiniteReport]:
     """Finds the operations that overflow in half precision, forward and backward.
@@ -746,6 +748,8 @@ def find_nonfinite(
         axis_name: the data-parallel axis name(s), as given to
             :func:`jaxmp.mp_value_and_grad`: the loss reported is the mean over
             them. Needs ``mapped``.
+        reduce_dtype: as given to :func:`jaxmp.mp_value_and_grad` (the dtype
+            of the gradient sums over devices): the step checked is the same.
         mapped: a function that maps a step over ``axis_name`` as your
             training step is mapped, e.g.
             ``lambda f: jax.vmap(f, in_axes=(None, 0), axis_name="batch")`` or
@@ -793,7 +797,7 @@ def find_nonfinite(
     step = kernel.Step.create(
         loss_fn, api="jaxmp.find_nonfinite", argnums=argnums, no_cast_argnums=no_cast_argnums,
         has_aux=has_aux, compute_dtype=compute_dtype, use_mixed_precision=True,
-        axis_name=axis_name, autocast=autocast)
+        axis_name=axis_name, autocast=autocast, reduce_dtype=reduce_dtype)
     # Not the trace-time share-of-half-precision check of the training step: it
     # re-evaluates the loss's jaxpr with nested jits inlined, and their
     # operations would lose the user's line they are reported at.
