@@ -2,13 +2,17 @@
 
 import importlib.util
 import inspect
+import os
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jaxmp
+import jaxmp._src.nonfinite
 
 HERE = "test_nonfinite.py"
 
@@ -262,6 +266,10 @@ def test_bad_options_raise_clear_errors():
         jaxmp.find_nonfinite(lambda w: w * 2.0, autocast=False)(jnp.ones(3))
     with pytest.raises(TypeError, match="pair"):
         jaxmp.find_nonfinite(lambda w: jnp.sum(w), has_aux=True, autocast=False)(jnp.ones(3))
+    with pytest.raises(ValueError, match="reduce_dtype must be one of"):  # as the step's
+        jaxmp.find_nonfinite(exp_loss, reduce_dtype=jnp.int32)
+    with pytest.raises(TypeError, match="positional"):  # the step's options are keywords
+        jaxmp.find_nonfinite(exp_loss, jnp.float16, 0, False, True, (), "batch")
     with pytest.raises(TypeError, match="jaxmp.ScalerState"):
         jaxmp.find_nonfinite(exp_loss, autocast=False)(jnp.ones(4), jnp.ones((2, 4)), scaler_state=1.0)
 
@@ -310,3 +318,171 @@ def test_user_code_in_a_folder_named_jaxmp_is_not_taken_for_library_code(tmp_pat
     model = eqx.tree_at(lambda m: m.weight, model, jnp.full((2, 4), 300.0))
     finding = jaxmp.find_nonfinite(module.loss_fn, autocast=False)(model, jnp.full((4,), 300.0)).findings[0]
     assert finding.primitive == "dot_general" and finding.called_from.startswith("user_model.py:4")
+
+
+# Naming the user's code, never jaxmp's: argument paths and autocast's conversions. -----
+
+_JAXMP_FILES = sorted(name for name in os.listdir(os.path.dirname(jaxmp._src.nonfinite.__file__))
+                      if name.endswith(".py") and name != "__init__.py")
+
+
+def _assert_no_jaxmp_file(report):
+    text = str(report)
+    for finding in report.findings:
+        text += finding.where + finding.called_from + finding.hint
+    named = [name for name in _JAXMP_FILES if re.search(rf"(?<![\w.]){re.escape(name)}:\d", text)]
+    assert not named, f"jaxmp's own files named: {named}\n{text}"
+
+
+def dense_loss(params, x):
+    h = x @ params["dense"]["kernel"]
+    return jnp.mean(h * 1e4)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_parameter_flushed_to_zero_by_the_cast_is_named_by_its_path(autocast):
+    params = {"dense": {"kernel": jnp.full((4, 2), 1e-9)}}  # below float16's 6e-8
+    report = jaxmp.find_nonfinite(dense_loss, autocast=autocast)(
+        params, jnp.ones((3, 4)), scaler_state=jaxmp.static_scaler(1.0))
+    (under,) = [f for f in report.forward if f.kind == "underflow"]
+    assert under.where == "params['dense']['kernel']" and under.called_from == ""
+    assert under.primitive == "convert_element_type" and under.count == under.size == 8
+    np.testing.assert_allclose(under.float32_min, 1e-9, rtol=1e-6)  # the float32 parameter
+    assert under.half_max == 0.0
+    assert "params['dense']['kernel']" in under.hint and "become zero" in under.hint
+    assert "params['dense']['kernel']" in str(report)
+    _assert_no_jaxmp_file(report)
+    # The float32 reference: the loss the float32 shadow reports is float32's.
+    np.testing.assert_allclose(report.loss_float32, float(dense_loss(params, jnp.ones((3, 4)))),
+                               rtol=1e-3)
+    assert report.loss == 0.0
+
+
+def test_a_batch_that_overflows_the_input_cast_is_named_by_its_path():
+    def loss_fn(w, batch, *, shift):
+        return jnp.mean((batch["x"] - shift) @ w)
+
+    report = jaxmp.find_nonfinite(loss_fn, autocast=False)(
+        jnp.ones((3, 2)), {"x": jnp.full((2, 3), 1e5)}, shift=jnp.full((3,), 7e4),
+        scaler_state=jaxmp.static_scaler(1.0))
+    wheres = [f.where for f in _overflows(report)]
+    assert wheres[:2] == ["batch['x']", "shift"]  # both beyond 65504 when cast
+    assert all(f.primitive == "convert_element_type" for f in _overflows(report)[:2])
+    np.testing.assert_allclose(_overflows(report)[0].float32_max, 1e5)
+    _assert_no_jaxmp_file(report)
+
+
+def test_a_float32_value_narrowed_by_autocast_is_named_at_the_users_product():
+    def loss_fn(w, x):
+        s = jnp.sum(x, axis=0, keepdims=True) * 1000.0  # float32 under autocast: 1e5
+        h = s @ w  # narrowed to float16 for the product: inf
+        return jnp.mean(h)
+
+    x = jnp.ones((100, 4))
+    report = jaxmp.find_nonfinite(loss_fn)(jnp.ones((4, 2)), x,
+                                           scaler_state=jaxmp.static_scaler(1.0))
+    first = _overflows(report)[0]
+    assert first.phase == "forward" and first.primitive == "convert_element_type"
+    assert first.where.startswith(_line_of(loss_fn, "s @ w"))
+    assert _line_of(loss_fn, "* 1000.0") in first.hint and "dot_general" in first.hint
+    np.testing.assert_allclose(first.float32_max, float(jnp.sum(x[:, 0])) * 1000.0)  # float32
+    _assert_no_jaxmp_file(report)
+
+
+def test_the_table_says_what_its_columns_are():
+    report = jaxmp.find_nonfinite(exp_loss, autocast=False)(jnp.full((4,), 3.0), jnp.ones((2, 4)))
+    text = str(report)
+    header = next(line for line in text.splitlines() if line.startswith("pass"))
+    for column in ("wrong/size", "float16 max|x|", "float32 max|x|", "float32 min|x|", "where"):
+        assert column in header
+    legend = " ".join(text.split())
+    assert "as computed in float16" in legend and "float32 shadow" in legend
+    assert "float16 holds 5.96e-08 to 65504" in legend
+    assert "Backward values include the loss scale" in legend
+    bf16 = jaxmp.find_nonfinite(exp_loss, compute_dtype=jnp.bfloat16, autocast=False)(
+        jnp.full((4,), 30.0), jnp.ones((2, 4)))
+    assert "bfloat16 max|x|" in str(bf16)
+
+
+# Steps whose model uses collectives: axis_name= and mapped= (vmap, shard_map). --------
+
+def _batchnorm_model():
+    nn = pytest.importorskip("flax.linen")
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(4)(x)  # the line the overflow is reported at (inside flax's Dense)
+            return nn.BatchNorm(use_running_average=False, axis_name="batch")(h)
+
+    model = Model()
+    x = jnp.arange(6.0).reshape(2, 3) * 100.0  # two examples; the second's x @ kernel is 72000
+    variables = jax.vmap(model.init, in_axes=(None, 0), out_axes=None, axis_name="batch")(
+        jax.random.key(0), x)
+    params = jax.tree_util.tree_map(lambda p: p * 0 + 60.0, variables["params"])
+
+    def loss_fn(params, x):
+        out, _ = model.apply({"params": params, "batch_stats": variables["batch_stats"]}, x,
+                             mutable=["batch_stats"])
+        return jnp.mean(out ** 2)
+
+    return Model, loss_fn, params, x
+
+
+def _check_batchnorm_report(report, Model, loss_fn, params, x):
+    first = _overflows(report)[0]
+    assert (first.phase, first.primitive, first.dtype) == ("forward", "dot_general", "float16")
+    assert first.where.startswith("linear.py:")  # flax's Dense, called from the model's line
+    assert first.called_from.startswith(_line_of(Model.__call__, "nn.Dense(4)"))
+    # The batch statistics' psum receives that inf: it is not reported as made there.
+    assert not [f for f in report.findings if f.primitive.startswith("psum")]
+    # The float32 reference: the mean over the batch axis of the per-example float32 loss.
+    reference = jax.vmap(loss_fn, in_axes=(None, 0), axis_name="batch")(params, x)
+    np.testing.assert_allclose(report.loss_float32, float(jnp.mean(reference)), rtol=1e-5)
+    assert not np.isfinite(report.loss)
+    _assert_no_jaxmp_file(report)
+
+
+def test_a_batchnorm_model_under_vmap():
+    Model, loss_fn, params, x = _batchnorm_model()
+    find = jaxmp.find_nonfinite(
+        loss_fn, axis_name="batch",
+        mapped=lambda f: jax.vmap(f, in_axes=(None, 0), axis_name="batch"))
+    _check_batchnorm_report(find(params, x, scaler_state=jaxmp.static_scaler(1.0)),
+                            Model, loss_fn, params, x)
+
+
+def test_a_batchnorm_model_under_shard_map():
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices")
+    Model, loss_fn, params, x = _batchnorm_model()
+    mesh = jax.make_mesh((2,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:2])
+    find = jaxmp.find_nonfinite(
+        loss_fn, axis_name="batch",
+        mapped=lambda f: jax.shard_map(f, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P()))
+    # Each device holds one example, as each member of the vmap above.
+    _check_batchnorm_report(find(params, x, scaler_state=jaxmp.static_scaler(1.0)),
+                            Model, lambda p, xi: loss_fn(p, xi[None]), params, x)
+
+
+def test_collectives_need_axis_name_and_mapped_and_say_so():
+    def loss_fn(w, x):
+        h = x @ w
+        return jnp.mean((h - jax.lax.pmean(h, "batch")) ** 2)
+
+    w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+    with pytest.raises(ValueError, match="mapped="):
+        jaxmp.find_nonfinite(loss_fn, axis_name="batch")
+    with pytest.raises(ValueError, match="not bound.*axis_name=.*mapped="):
+        jaxmp.find_nonfinite(loss_fn)(w, x)
+    with pytest.raises(TypeError, match="outside jit, vmap and shard_map.*mapped="):
+        jax.vmap(jaxmp.find_nonfinite(loss_fn), in_axes=(None, 0), axis_name="batch")(w, x)
+    with pytest.raises(TypeError, match="mapped must be a function"):
+        jaxmp.find_nonfinite(loss_fn, axis_name="batch", mapped="vmap")
+    if jax.device_count() >= 4:  # inside shard_map, the step's own advice: pass axis_name=
+        mesh = jax.make_mesh((4,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
+        find = jaxmp.find_nonfinite(loss_fn, mapped=lambda f: jax.shard_map(
+            f, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P()))
+        with pytest.raises(ValueError, match="axis_name="):
+            find(w, x)

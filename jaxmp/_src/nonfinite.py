@@ -15,11 +15,28 @@ jaxpr of its ``value_and_grad`` less the operations the forward pass already
 has. The backward pass therefore includes the derivative rules' own
 arithmetic, such as ``rsqrt(v) / v`` for the derivative of ``rsqrt``, which
 runs before any cotangent exists and does not depend on the loss scale.
+
+Every finding names the user's code: the line of the operation (or, inside a
+library such as Flax, the library's line and the user's line that calls it).
+An operation jaxmp itself added has no line of its own: the cast of an
+argument is named by the argument leaf's pytree path (``params['dense']['kernel']``),
+and a conversion autocast added at an operation's operand by that operation's
+line. jaxmp's own files are never named.
+
+A step whose model uses collectives (a ``BatchNorm`` with ``axis_name``) can
+only be evaluated where its axis is bound: with ``axis_name=`` and
+``mapped=`` (the ``jax.vmap`` or ``jax.shard_map`` around the step), the
+evaluation runs inside that mapping, its findings reach the host through
+``jax.debug.callback`` as it runs, and the report is built from them after
+the mapped call returns.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import textwrap
+import threading
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -31,6 +48,7 @@ from jaxmp._src import casting
 from jaxmp._src import kernel
 from jaxmp._src import interpret
 from jaxmp._src import loss_scale
+from jaxmp._src import sharding
 from jaxmp._src import source
 
 PyTree = Any
@@ -73,15 +91,27 @@ class Finding(NamedTuple):
             problem, listed for context).
         primitive: the JAX primitive, e.g. ``"exp"`` or ``"div"``.
         where: ``file:line (function)`` of the operation in the Python code
-            (the innermost frame outside JAX).
+            (the innermost frame outside JAX and jaxmp). For a cast that
+            jaxmp itself applies to an argument (the input cast, or autocast
+            narrowing a parameter for a matrix product), the pytree path of
+            that argument's leaf instead, e.g. ``"params['dense']['kernel']"``;
+            for a conversion autocast adds at an operand, the line of the
+            operation it feeds (the matrix product).
         called_from: when ``where`` is inside a library (Haiku, Flax, ...),
             the first frame of the calling code outside libraries, else ``""``.
         dtype: the dtype of the result, e.g. ``"float16"``.
-        count: how many elements went wrong, of ``size``.
+        count: how many elements of the result went wrong (inf or NaN for
+            ``"overflow"`` and ``"float32 too"``, flushed to zero for
+            ``"underflow"``), of ``size``.
         size: the number of elements of the result.
-        half_max: the largest magnitude in the half-precision result.
-        float32_max: the largest magnitude in the float32 shadow.
-        float32_min: the smallest non-zero magnitude in the float32 shadow.
+        half_max: the largest magnitude in the result as the mixed-precision
+            program computed it, in ``dtype`` (``inf`` once it overflowed).
+        float32_max: the largest finite magnitude of the same result in the
+            float32 shadow (the program evaluated with float32 in place of
+            every half-precision value): what the result should have held.
+        float32_min: the smallest non-zero magnitude of that float32 result
+            (what would flush to zero below the half dtype's smallest
+            subnormal). In the backward pass all three include the loss scale.
         scale_dependent: for the backward pass, whether the value is
             proportional to the loss scale (an operation on cotangents) or
             not (a derivative rule's own arithmetic).
@@ -123,8 +153,9 @@ class NonfiniteReport(NamedTuple):
             in program order (at most a dozen per pass and kind).
         compute_dtype: the half-precision dtype that was checked.
         loss_scale: the loss scale used.
-        loss: the loss in the mixed-precision run (float32, unscaled).
-        loss_float32: the loss of the float32 shadow.
+        loss: the loss in the mixed-precision run (float32, unscaled); with
+            ``axis_name``, its mean over the axis, as the step returns it.
+        loss_float32: the loss of the float32 shadow (likewise).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -167,8 +198,9 @@ class NonfiniteReport(NamedTuple):
                    if n else f"No operation overflows in {self.compute_dtype} where float32 "
                    "does not, but some need attention")
         lines = [head, summary + " (first ones per pass, in program order):", ""]
-        rows = [("pass", "op", "kind", "elements", "half max|x|", "f32 max|x|", "f32 min|x|",
-                 "where")]
+        half = self.compute_dtype
+        rows = [("pass", "op", "kind", "wrong/size", f"{half} max|x|", "float32 max|x|",
+                 "float32 min|x|", "where")]
         for f in self.findings:
             where = f.where + (f"  <- {f.called_from}" if f.called_from else "")
             rows.append((f.phase, f.primitive, f.kind, f"{f.count}/{f.size}",
@@ -177,7 +209,19 @@ class NonfiniteReport(NamedTuple):
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         for r in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
-        lines.append("")
+        info = jnp.finfo(half)
+        legend = (
+            "Each row is one operation's result. wrong/size: its elements that are inf or NaN "
+            f"(overflow) or flushed to zero (underflow) in {half}, of all its elements. "
+            f"{half} max|x|: the largest magnitude of the result as computed in {half} (inf once "
+            "it overflowed). float32 max|x| and float32 min|x|: the largest and the smallest "
+            "non-zero magnitude of the same result in the float32 shadow (the step evaluated "
+            f"with float32 in place of every {half} value): what {half} had to hold; "
+            f"{half} holds {float(info.smallest_subnormal):.3g} to {float(info.max):.6g}. "
+            "Backward values include the loss scale. where: the line of your code (after "
+            "'<-', the line of your code that calls the library the operation is in), or the "
+            "pytree path of an argument leaf that is cast to " + half + ".")
+        lines += ["", *textwrap.wrap(legend, 100), ""]
         seen = set()
         for f in self.findings:
             if f.hint not in seen:
@@ -204,6 +248,29 @@ class _Site(NamedTuple):
     dtype: str
     size: int
     transpose: bool
+    # For an operation jaxmp added: "argument" (the cast of an argument leaf,
+    # ``where`` is its path) or "conversion" (a conversion at an operand of
+    # the user's operation at ``where``); "" for the user's own operations.
+    added: str = ""
+    feeds: str = ""  # "conversion": the primitive of the operation it feeds
+    producer: str = ""  # "conversion": where the converted value was computed
+
+
+# Primitives that call a sub-jaxpr on exactly their operands (the input paths carry over).
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2",
+                    "custom_jvp_call", "custom_vjp_call"})
+
+
+def _called_jaxpr(eqn):
+    """The (open) jaxpr that ``eqn`` calls on exactly its operands, or ``None``."""
+    if eqn.primitive.name not in _CALLS:
+        return None
+    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    inner = getattr(inner, "jaxpr", inner)
+    if inner is None or len(inner.invars) != len(eqn.invars) or (
+            len(inner.outvars) != len(eqn.outvars)):
+        return None
+    return inner
 
 
 class _Shadow(interpret.Interpreter):
@@ -219,8 +286,31 @@ class _Shadow(interpret.Interpreter):
         self.sites: list[_Site] = []
         self.site_of: dict[tuple[int, int], int] = {}
         self.records: dict[tuple[int, str], dict] = {}
+        self.lock = threading.Lock()  # callbacks from several devices may record at once
         self.transposing = 0
         self.enclosing: list[Any] = []  # the higher-order equations being evaluated
+        # The pytree path (in the user's arguments) of each input variable; the
+        # producer and the consumers of every variable of the jaxprs evaluated.
+        self.input_paths: dict[Any, str] = {}
+        self.producer: dict[Any, Any] = {}
+        self.consumers: dict[Any, list] = {}
+        self.seen_jaxprs: dict[int, Any] = {}
+
+    def run(self, closed, flat_args: Sequence[Any], paths: Sequence[str]) -> list:
+        """Evaluates ``closed`` on ``flat_args`` (arrays) paired with their float32 shadows."""
+        self.input_paths.update(zip(closed.jaxpr.invars, paths))
+        return self.eval_closed(closed, [(x, _widen(x)) for x in flat_args])
+
+    def eval_jaxpr(self, jaxpr, consts, args):
+        if id(jaxpr) not in self.seen_jaxprs:
+            self.seen_jaxprs[id(jaxpr)] = jaxpr  # kept alive: ids stay unique
+            for eqn in jaxpr.eqns:
+                for v in eqn.outvars:
+                    self.producer[v] = eqn
+                for v in eqn.invars:
+                    if isinstance(v, jex_core.Var):
+                        self.consumers.setdefault(v, []).append(eqn)
+        return super().eval_jaxpr(jaxpr, consts, args)
 
     # Values are pairs.
     def literal(self, lit):
@@ -237,6 +327,11 @@ class _Shadow(interpret.Interpreter):
         return None if array is None else (array, _widen(array))
 
     def eval_eqn(self, eqn, invals):
+        inner = _called_jaxpr(eqn)
+        if inner is not None:
+            for outer_v, inner_v in zip(eqn.invars, inner.invars):
+                if isinstance(outer_v, jex_core.Var) and outer_v in self.input_paths:
+                    self.input_paths[inner_v] = self.input_paths[outer_v]
         transpose = "transpose" in str(eqn.source_info.name_stack)
         self.transposing += transpose
         self.enclosing.append(eqn)
@@ -286,28 +381,96 @@ class _Shadow(interpret.Interpreter):
     def _site(self, eqn, index: int, out) -> int:
         key = (id(eqn), index)
         if key not in self.site_of:
-            where, called_from = source.locate(eqn, self.enclosing[:-1])
+            where, called_from, *more = self._where(eqn)
             self.site_of[key] = len(self.sites)
-            self.sites.append(_Site(len(self.sites), eqn.primitive.name, where, called_from,
-                                    np.dtype(out.dtype).name, int(np.prod(out.shape)),
-                                    self.transposing > 0))
+            self.sites.append(_Site(
+                len(self.sites), eqn.primitive.name, where, called_from,
+                np.dtype(out.dtype).name, int(np.prod(out.shape)), self.transposing > 0,
+                **dict(zip(("added", "feeds", "producer"), more))))
         return self.site_of[key]
+
+    def _where(self, eqn) -> tuple:
+        """``(where, called_from)`` of ``eqn`` in the user's terms, and, for an operation
+        jaxmp added, ``added``, ``feeds`` and ``producer`` (the trailing fields of _Site)."""
+        enclosing = self.enclosing[:-1]
+        if not source.made_by_jaxmp(eqn, enclosing):
+            return source.locate(eqn, enclosing)
+        operand = eqn.invars[0] if eqn.invars else None
+        if isinstance(operand, jex_core.Var) and operand in self.input_paths:
+            return self.input_paths[operand], "", "argument"
+        # A conversion jaxmp added (autocast narrowing a value for a product, or
+        # its transpose in the backward pass): the user's operation it feeds,
+        # else the one that computed the value.
+        consumer = self._nearest_user_eqn(eqn, downstream=True)
+        producer = self._nearest_user_eqn(eqn, downstream=False)
+        producer_where = ""
+        if producer is not None:
+            where, called_from = source.locate(producer, enclosing)
+            producer_where = f"{producer.primitive.name} at {called_from or where}"
+        if consumer is not None:
+            where, called_from = source.locate(consumer, enclosing)
+            return where, called_from, "conversion", consumer.primitive.name, producer_where
+        if producer is not None:
+            where, called_from = source.locate(producer, enclosing)
+            return where, called_from, "conversion", "", producer_where
+        return source.locate(eqn, enclosing)  # no better: the user's call (never a jaxmp frame)
+
+    def _nearest_user_eqn(self, eqn, downstream: bool, depth: int = 4):
+        """The nearest equation after (or before) ``eqn`` that is the user's, not jaxmp's.
+
+        Looks inside the calls on the way (autocast runs each float32 region in
+        its own ``checkpoint``).
+        """
+        frontier, seen = [eqn], {id(eqn)}
+        for _ in range(depth):
+            nearby = []
+            for e in frontier:
+                if downstream:
+                    for v in e.outvars:
+                        for c in self.consumers.get(v, ()):
+                            inner = _called_jaxpr(c)
+                            if inner is not None:
+                                nearby += [d for i, u in enumerate(c.invars) if u is v
+                                           for d in self.consumers.get(inner.invars[i], ())]
+                            nearby.append(c)
+                else:
+                    for v in e.invars:
+                        p = self.producer.get(v) if isinstance(v, jex_core.Var) else None
+                        if p is None:
+                            continue
+                        inner = _called_jaxpr(p)
+                        if inner is not None:
+                            inner_v = inner.outvars[p.outvars.index(v)]
+                            if isinstance(inner_v, jex_core.Var) and inner_v in self.producer:
+                                nearby.append(self.producer[inner_v])
+                        nearby.append(p)
+            frontier = [e for e in nearby if id(e) not in seen]
+            seen.update(id(e) for e in frontier)
+            for e in frontier:
+                if not source.made_by_jaxmp(e, self.enclosing[:-1]):
+                    return e
+        return None
 
     def _check(self, eqn, invals, outs, shadow_outs):
         float_in = [(h, s) for h, s in invals if casting.is_float_array(h) and h.size]
         in_h = [h for h, _ in float_in]
         in_s = [s for _, s in float_in]
+        everywhere = _finite_everywhere(eqn, in_h)
         for i, (h, s) in enumerate(zip(outs, shadow_outs)):
             if not casting.is_float_array(h) or h.size == 0:
                 continue
             site = self._site(eqn, i, h)
             if any(isinstance(x, jax.core.Tracer) for x in (*in_h, *in_s, h, s)):
-                # Inside a loop, cond, checkpoint or custom rule: check on the host at run time.
-                jax.debug.callback(functools.partial(self._host_check, site), in_h, in_s, h, s)
+                # Inside a loop, cond, checkpoint, custom rule or mapping: check on
+                # the host at run time.
+                jax.debug.callback(functools.partial(self._host_check, site), in_h, in_s, h, s,
+                                   everywhere)
             else:
-                self._host_check(site, in_h, in_s, h, s)
+                self._host_check(site, in_h, in_s, h, s, everywhere)
 
-    def _host_check(self, site, in_h, in_s, h, s):
+    def _host_check(self, site, in_h, in_s, h, s, everywhere=None):
+        if everywhere is not None and not bool(np.asarray(everywhere)):
+            return  # a collective passed on another member's inf: found where it was made
         stats = _stats(*jax.device_get((in_h, in_s, h, s)))
         if stats[0]:
             self._record(site, *stats[1:])
@@ -324,10 +487,37 @@ class _Shadow(interpret.Interpreter):
             if count < _UNDERFLOW_FRACTION * self.sites[site].size:
                 return  # a few tiny values flushed to zero: rounding, not a problem
         key = (site, kind)
-        if key not in self.records:  # the first time (e.g. the first scan iteration) is kept
+        with self.lock:
+            if key in self.records:  # the first time (the first scan iteration...) is kept
+                return
             self.records[key] = dict(count=count, half_max=float(half_max),
                                      float32_max=float(f32_max), float32_min=float(f32_min),
                                      input_max=float(in_max))
+
+
+# Collectives, and the parameter that names their axes.
+_COLLECTIVES = {"psum": "axes", "psum_invariant": "axes", "pmax": "axes", "pmin": "axes",
+                "all_gather": "axis_name", "all_gather_invariant": "axis_name",
+                "reduce_scatter": "axis_name", "all_to_all": "axis_name",
+                "ppermute": "axis_name", "pbroadcast": "axis_name"}
+
+
+def _finite_everywhere(eqn, in_h: list):
+    """For a collective, whether its inputs are finite on every member of its axes, else None.
+
+    A collective's result holds other members' values: an inf it receives was
+    made elsewhere, and is reported there, not at the collective.
+    """
+    key = _COLLECTIVES.get(eqn.primitive.name)
+    if key is None or not in_h:
+        return None
+    axes = eqn.params.get(key)
+    axes = tuple(a for a in (axes if isinstance(axes, (tuple, list)) else (axes,))
+                 if a is not None and not isinstance(a, int))
+    if not axes:
+        return None
+    here = jnp.stack([jnp.all(jnp.isfinite(h)) for h in in_h]).all().astype(jnp.int32)
+    return jax.lax.pmin(here, axes)
 
 
 def _f32(x) -> np.ndarray:
@@ -382,6 +572,35 @@ def _hint(site: _Site, phase: str, kind: str, stats: dict, scale: float, half: n
     if kind == "float32 too":
         return ("float32 overflows here as well (e.g. log(0), x/0, a diverging model): "
                 "not a precision problem; fix the computation or the inputs")
+    if site.added == "argument":
+        tiny = float(jnp.finfo(half).smallest_subnormal)
+        how = (f"when autocast narrows it to {half.name} for a matrix product" if autocast
+               else f"when the inputs are cast to {half.name}")
+        if kind == "underflow":
+            what = (f"values of {site.where} below {half.name}'s smallest ({tiny:.3g}) become "
+                    f"zero {how}")
+        else:
+            what = f"values of {site.where} beyond {half.name}'s {half_max:g} become inf {how}"
+        if autocast:
+            fix = ("rescale it (its initialisation, or a factor applied after the product), "
+                   "keep its product in float32 with jaxmp.force_full_precision, or "
+                   "compute_dtype=jnp.bfloat16 (float32's range)")
+        else:
+            fix = ("autocast=True (the default), which narrows an argument only where it "
+                   "enters a matrix product; no_cast_argnums= for an argument that is not "
+                   "differentiated; rescale it; or compute_dtype=jnp.bfloat16")
+        return f"{what}: {fix}"
+    if site.added == "conversion" and phase == "forward":
+        value = f"a float32 value (from {site.producer})" if site.producer else "a float32 value"
+        into = f" for this {site.feeds}" if site.feeds else ""
+        if kind == "underflow":
+            what = f"{value} below {half.name}'s range becomes zero when autocast narrows it{into}"
+        else:
+            what = (f"{value} does not fit in {half.name} ({half_max:g}) when autocast narrows "
+                    f"it{into}")
+        return (f"{what}: keep this operation in float32 (jaxmp.force_full_precision around "
+                "it, or autocast's rules), scale the value down before it, or "
+                "compute_dtype=jnp.bfloat16")
     if kind == "underflow":
         if phase == "backward":
             return (f"gradients below {half.name}'s smallest value flush to zero: a larger "
@@ -413,16 +632,40 @@ def _hint(site: _Site, phase: str, kind: str, stats: dict, scale: float, half: n
             f"fixes it. Fix: {float32}")
 
 
-def _run(closed, flat_args) -> tuple[_Shadow, list]:
-    """Evaluates ``closed`` on pairs, eagerly, and returns the interpreter with its records.
+def _parameter_names(fn: Callable) -> list[str]:
+    """The names of ``fn``'s positional parameters, as far as its signature tells."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    names = []
+    for p in parameters:
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        names.append(p.name)
+    return names
 
-    Eagerly, every operation runs on its own and its result is rounded to its
-    dtype, as the program is written.
+
+def _leaf_paths(diff: tuple, others: PyTree, positions: Sequence[int],
+                names: Sequence[str]) -> list[str]:
+    """The user-facing path of every array leaf of ``(diff, others)``, in flattening order.
+
+    ``diff`` holds one tree per differentiated argument (at ``positions``);
+    ``others`` is ``(args, kwargs)`` with the remaining array leaves. A path
+    reads as the argument's name in ``loss_fn``'s signature followed by
+    ``jax.tree_util.keystr`` of the path inside it: ``params['dense']['kernel']``.
     """
-    shadow = _Shadow()
-    outs = shadow.eval_closed(closed, [(x, _widen(x)) for x in flat_args])
-    jax.effects_barrier()  # every record from inside loops is in before the report is read
-    return shadow, outs
+    def arg(i):
+        return names[i] if i < len(names) else f"args[{i}]"
+
+    paths = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(diff)[0]:
+        paths.append(arg(positions[path[0].idx]) + jax.tree_util.keystr(tuple(path[1:])))
+    for path, _ in jax.tree_util.tree_flatten_with_path(others)[0]:
+        group, key, rest = path[0], path[1], tuple(path[2:])
+        name = arg(key.idx) if group.idx == 0 else str(key.key)
+        paths.append(name + jax.tree_util.keystr(rest))
+    return paths
 
 
 def _collect(shadow: _Shadow, phase_of: Callable, scale: float, half: np.dtype,
@@ -454,6 +697,10 @@ def find_nonfinite(
     has_aux: bool = False,
     autocast: bool = True,
     no_cast_argnums: int | Sequence[int] = (),
+    *,
+    axis_name: Any = None,
+    reduce_dtype: Any = None,
+    mapped: Callable[[Callable], Callable] | None = None,
 ) -> Callable[..., NonfiniteReport]:
     """Finds the operations that overflow in half precision, forward and backward.
 
@@ -465,8 +712,11 @@ def find_nonfinite(
     forward and the backward pass, the operations whose inputs were finite
     and whose half-precision result is inf or NaN while the float32 shadow is
     finite, and those where at least 1% of the result flushed to zero while
-    float32 has non-zero values; each with the Python line it comes from, the magnitudes in
-    half precision and in float32, and a hint.
+    float32 has non-zero values; each with the line of your code it comes
+    from (or the pytree path of the argument leaf whose cast went wrong), the
+    magnitudes of the result in half precision and in float32 (see
+    :class:`jaxmp.Finding`), and a hint. ``print`` the report for a table
+    whose columns are explained under it.
 
     It is a debugging tool: it runs eagerly, operation by operation, and is
     slow on a large model (give it one batch). It does not change anything:
@@ -474,15 +724,40 @@ def find_nonfinite(
     the half-precision values. Float32 values beyond 1e30 are taken for
     sentinels (a mask's ``-1e30``) whose overflow to ``-inf`` is intended.
 
+    A model with collectives (a ``BatchNorm`` that averages over
+    ``axis_name``, as in data-parallel training) runs only where its axis is
+    bound. Pass ``axis_name`` as to the step and, as ``mapped``, what maps your
+    step over it: the function is then evaluated inside that mapping (each
+    member's or device's findings reach the host through
+    ``jax.debug.callback``; the first one of each operation is kept) and the
+    report is returned by the outer call, as usual. That mapped evaluation
+    is compiled as one program (evaluating ``shard_map`` eagerly with
+    callbacks is too slow), with XLA's excess precision turned off, so that
+    every half-precision result is still rounded to its dtype. The returned
+    function itself must be called outside ``jit``, ``vmap`` and ``shard_map``.
+
     Args:
         loss_fn: the loss function, as given to :func:`jaxmp.mp_value_and_grad`.
         compute_dtype: ``jnp.float16`` (default) or ``jnp.bfloat16``.
         argnums: the differentiated positional arguments.
         has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-        autocast: check ``jaxmp.autocast(loss_fn)`` instead of casting the
-            inputs, as ``mp_value_and_grad(..., autocast=True)`` does.
+        autocast: check ``jaxmp.autocast(loss_fn)`` (the default, as in
+            :func:`jaxmp.mp_value_and_grad`); ``False`` casts the inputs instead.
         no_cast_argnums: arguments passed uncast, as in
             :func:`jaxmp.mp_value_and_grad`.
+        axis_name: the data-parallel axis name(s), as given to
+            :func:`jaxmp.mp_value_and_grad`: the loss reported is the mean over
+            them. Needs ``mapped``.
+        reduce_dtype: as given to :func:`jaxmp.mp_value_and_grad` (the dtype
+            of the gradient sums over devices): the step checked is the same.
+        mapped: a function that maps a step over ``axis_name`` as your
+            training step is mapped, e.g.
+            ``lambda f: jax.vmap(f, in_axes=(None, 0), axis_name="batch")`` or
+            ``lambda f: jax.shard_map(f, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P())``.
+            The ``f`` it is given takes the arguments of ``loss_fn`` and
+            returns one float32 array of two values, the same on every member
+            of the axis (the loss and its float32 shadow's, averaged over
+            ``axis_name``): ``out_specs=P()`` under ``shard_map``.
 
     Returns:
         A function ``(*args, scaler_state=None, **kwargs) -> NonfiniteReport``.
@@ -490,8 +765,14 @@ def find_nonfinite(
         ``jaxmp.init_scaler()`` for float16 and 1 for bfloat16. Pass the
         scaler state of a stuck run to check the scale it is stuck at.
 
+    Raises:
+        ValueError: for ``axis_name`` without ``mapped``, or when the loss
+            uses a collective over an axis that is not bound.
+        TypeError: when the returned function is called inside ``jit``,
+            ``vmap`` or ``shard_map`` (pass ``mapped`` instead).
+
     Examples:
-        >>> import jax.numpy as jnp
+        >>> import jax, jax.numpy as jnp
         >>> import jaxmp
         >>> def loss_fn(w, x):
         ...     return jnp.mean(jnp.exp(x @ w))
@@ -499,39 +780,110 @@ def find_nonfinite(
         >>> report = jaxmp.find_nonfinite(loss_fn, autocast=False)(w, x)  # inputs cast: exp(12) > 65504
         >>> bool(report), report.findings[0].phase, report.findings[0].primitive
         (True, 'forward', 'exp')
+
+        A step mapped over a batch axis, with a collective in the loss:
+
+        >>> def centred_loss(w, x):  # x: one example; the mean is over the batch axis
+        ...     h = x @ w
+        ...     return jnp.mean((h - jax.lax.pmean(h, "batch")) ** 2)
+        >>> find = jaxmp.find_nonfinite(
+        ...     centred_loss, axis_name="batch",
+        ...     mapped=lambda f: jax.vmap(f, in_axes=(None, 0), axis_name="batch"))
+        >>> report = find(jnp.full((4, 2), 100.0), jnp.arange(12.0).reshape(3, 4) * 50)
+        >>> report.findings[0].kind, report.findings[0].primitive, report.loss_float32 > 65504
+        ('overflow', 'dot_general', True)
     """
     # The very step mp_value_and_grad runs: same validation, casts and scaled loss.
     step = kernel.Step.create(
         loss_fn, api="jaxmp.find_nonfinite", argnums=argnums, no_cast_argnums=no_cast_argnums,
-        has_aux=has_aux, compute_dtype=compute_dtype, use_mixed_precision=True, axis_name=None,
-        autocast=autocast)
+        has_aux=has_aux, compute_dtype=compute_dtype, use_mixed_precision=True,
+        axis_name=axis_name, autocast=autocast, reduce_dtype=reduce_dtype)
+    # Not the training step's trace-time check of the half-precision share
+    # (MostlyFloat32Warning): a diagnosis is not a training step.
+    step.traced["census"] = True
     half = casting.canonical_float_dtype(compute_dtype, allowed=casting.COMPUTE_DTYPES,
                                          what="compute_dtype")
     if not casting.is_half_dtype(half):
         raise ValueError("find_nonfinite compares half precision with float32: compute_dtype "
                          f"must be float16 or bfloat16, got {half.name}.")
+    if mapped is not None and not callable(mapped):
+        raise TypeError("mapped must be a function that maps a step over the data axes (e.g. "
+                        f"lambda f: jax.vmap(f, ..., axis_name=...)), got {type(mapped).__name__}.")
+    if axis_name is not None and mapped is None:
+        raise ValueError(
+            f"find_nonfinite(axis_name={axis_name!r}) evaluates the step where that axis is "
+            "bound, and returns its report from outside: pass mapped=, the vmap or shard_map "
+            f"your step runs under, e.g. mapped=lambda f: jax.vmap(f, in_axes=(None, 0), "
+            f"axis_name={axis_name!r}) or mapped=lambda f: jax.shard_map(f, mesh=mesh, "
+            "in_specs=(P(), P('batch')), out_specs=P()).")
+    names = _parameter_names(loss_fn)
 
     def report_fn(*args, scaler_state=None, **kwargs) -> NonfiniteReport:
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs))):
+            raise TypeError(
+                "The function returned by jaxmp.find_nonfinite returns a report (Python data) "
+                "and must be called outside jit, vmap and shard_map. To diagnose a step that "
+                "runs under vmap or shard_map, pass find_nonfinite(..., axis_name=..., "
+                "mapped=lambda f: jax.vmap(f, ..., axis_name=...)) and call it on the whole "
+                "batch.")
         if scaler_state is None:
             state = loss_scale.init_scaler() if half == jnp.float16 else loss_scale.noop_scaler()
         else:
             state = step.check_state(scaler_state)
-        diff, rebuild, _ = step.differentiable(args, state)
-
-        def scaled_loss(d):
-            return step.scaled_loss(state, rebuild(d), kwargs)[0]
-
         scale = 1.0 if state.mode == "none" else float(state.scale)
-        flat = jax.tree_util.tree_leaves(diff)
+        fwd, bwd = _Shadow(), _Shadow()
 
-        forward_jaxpr = jax.make_jaxpr(scaled_loss)(diff)
-        fwd, (loss,) = _run(forward_jaxpr, flat)
+        def diagnose(*args, **kwargs):
+            diff, rebuild, devices = step.differentiable(args, state)
+            positions = kernel.resolve_positions(step.nums, len(args), "argnums", step.argnums)
+            rest_args = [None if i in positions else a for i, a in enumerate(args)]
+            # Every array is an input of the traced step (not a constant), so
+            # that the casts of the batch are evaluated and named too.
+            others, others_rest = casting.partition((rest_args, kwargs), casting.is_array)
+
+            def scaled_loss(d, o):
+                call_args, call_kwargs = casting.combine(o, others_rest)
+                full = rebuild(d)
+                full = [full[i] if i in positions else a for i, a in enumerate(call_args)]
+                return step.scaled_loss(state, full, call_kwargs)[0]
+
+            flat = jax.tree_util.tree_leaves((diff, others))
+            paths = _leaf_paths(diff, others, positions, names)
+            forward_jaxpr = _trace(scaled_loss, diff, others)
+            (loss,) = fwd.run(forward_jaxpr, flat, paths)
+            bwd.run(_trace(jax.value_and_grad(scaled_loss), diff, others), flat, paths)
+            losses = jnp.stack(loss)
+            axes = devices.axes or sharding.manual_axes()
+            return jax.lax.pmean(losses, axes) if axes else losses
+
+        if mapped is None:
+            losses = diagnose(*args, **kwargs)  # eagerly, one operation at a time
+        else:
+            # One compiled program, as the training step; XLA must round every
+            # half-precision result to its dtype, as the eager evaluation does.
+            losses = jax.jit(mapped(diagnose)).lower(*args, **kwargs).compile(
+                {"xla_allow_excess_precision": False})(*args, **kwargs)
+        jax.effects_barrier()  # every record from a callback is in before the report is read
+        # Averaged over the axis already; a mapping without axis_name gives one pair per member.
+        loss, loss_float32 = np.asarray(losses, np.float32).reshape(-1, 2).mean(0) / scale
         forward = _collect(fwd, lambda site: "forward", scale, half, set(), autocast)
         skip = {(f.primitive, f.where, f.dtype, f.size, f.kind) for f in forward}
-        both_jaxpr = jax.make_jaxpr(jax.value_and_grad(scaled_loss))(diff)
-        bwd, _ = _run(both_jaxpr, flat)
         backward = _collect(bwd, lambda site: "backward", scale, half, skip, autocast)
-        return NonfiniteReport(tuple(forward + backward), half.name, scale,
-                               float(loss[0]) / scale, float(loss[1]) / scale)
+        return NonfiniteReport(tuple(forward + backward), half.name, scale, float(loss),
+                               float(loss_float32))
 
     return report_fn
+
+
+def _trace(fn: Callable, *args):
+    """``jax.make_jaxpr(fn)(*args)``, with advice when the loss uses an axis that is not bound."""
+    try:
+        return jax.make_jaxpr(fn)(*args)
+    except NameError as e:
+        if "axis name" not in str(e):
+            raise
+        raise ValueError(
+            f"The loss uses a collective over an axis that is not bound here ({e}). Diagnose "
+            "it where your step runs: find_nonfinite(loss_fn, axis_name=..., mapped=lambda f: "
+            "jax.vmap(f, in_axes=..., axis_name=...)) (or jax.shard_map), with the axis_name "
+            "you give mp_value_and_grad.") from e

@@ -2,7 +2,12 @@
 
 jaxmp's messages name the user's file and line, never jaxmp's own or an
 installed package's: a matrix product inside ``flax.linen.Dense`` is reported
-at the Dense layer's call in the user's model.
+at the Dense layer's call in the user's model. jaxmp's own frames are never
+named: an operation that jaxmp itself added to the user's program (the cast of
+an input, autocast's conversion of an operand) has no line in the user's code,
+and :func:`made_by_jaxmp` tells it apart so that a caller can name it by what
+it acts on instead (``find_nonfinite`` names the argument's pytree path, or
+the user's operation the converted value feeds).
 """
 
 from __future__ import annotations
@@ -25,22 +30,45 @@ def summary(frame) -> str:
     return f"{os.path.basename(frame.file_name)}:{frame.start_line} ({frame.function_name})"
 
 
+def in_jaxmp(file_name: str) -> bool:
+    """Whether a frame is in jaxmp itself (wherever it is installed or checked out)."""
+    return os.path.abspath(file_name).startswith(_JAXMP_DIR)
+
+
 def in_library(file_name: str) -> bool:
     """Whether a frame is in installed packages or in jaxmp itself, not in the user's code."""
     path = os.path.abspath(file_name)
     return path.startswith(_JAXMP_DIR) or any(d in path for d in _INSTALLED_DIRS)
 
 
-def locate(eqn, enclosing: Sequence[Any] = ()) -> tuple[str, str]:
-    """``(where, called_from)`` for ``eqn``; inside a cached nested ``jit`` (``jnp.var``...)
-    JAX may keep no user frame, and the innermost enclosing equation's location is used.
-    ``where`` is the innermost frame; ``called_from`` the first frame in the user's code
-    when ``where`` is in a library ("" otherwise)."""
+def _found(eqn, enclosing: Sequence[Any]) -> list:
+    """The frames of ``eqn``, or, inside a cached nested ``jit`` (``jnp.var``...) where JAX
+    may keep no user frame, those of the innermost enclosing equation that has some."""
     found = frames(eqn)
     for outer in reversed(enclosing):
         if found:
             break
         found = frames(outer)
+    return found
+
+
+def made_by_jaxmp(eqn, enclosing: Sequence[Any] = ()) -> bool:
+    """Whether jaxmp itself added ``eqn`` to the user's program (its innermost frame is jaxmp's).
+
+    Such an operation (an input cast, autocast's conversion of an operand, the
+    loss scaling) has no line of its own in the user's code.
+    """
+    found = _found(eqn, enclosing)
+    return bool(found) and in_jaxmp(found[0].file_name)
+
+
+def locate(eqn, enclosing: Sequence[Any] = ()) -> tuple[str, str]:
+    """``(where, called_from)`` for ``eqn``; inside a cached nested ``jit`` (``jnp.var``...)
+    JAX may keep no user frame, and the innermost enclosing equation's location is used.
+    ``where`` is the innermost frame outside jaxmp; ``called_from`` the first frame in the
+    user's code when ``where`` is in a library ("" otherwise). jaxmp's own frames are
+    never returned (for an operation jaxmp added, see :func:`made_by_jaxmp`)."""
+    found = [f for f in _found(eqn, enclosing) if not in_jaxmp(f.file_name)]
     if not found:
         return "unknown", ""
     where = found[0]
