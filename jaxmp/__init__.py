@@ -11,6 +11,8 @@ from jaxmp._src.casting import cast_to_half_precision
 from jaxmp._src.casting import cast_tree
 from jaxmp._src.casting import force_full_precision
 from jaxmp._src.casting import is_float_array
+from jaxmp._src.float8 import Float8Rules
+from jaxmp._src.diagnostics import float8_matmul_flop_share
 from jaxmp._src.diagnostics import half_matmul_flop_share
 from jaxmp._src.diagnostics import matmul_flops
 from jaxmp._src.diagnostics import saved_activation_bytes
@@ -52,6 +54,8 @@ __all__ = (
     "cast_tree",
     "find_nonfinite",
     "Finding",
+    "Float8Rules",
+    "float8_matmul_flop_share",
     "force_full_precision",
     "get_policy",
     "half_matmul_flop_share",

@@ -493,6 +493,7 @@ def find_nonfinite(
     has_aux: bool = False,
     autocast: bool = False,
     no_cast_argnums: int | Sequence[int] = (),
+    matmul_dtype: Any = None,
 ) -> Callable[..., NonfiniteReport]:
     """Finds the operations that overflow in half precision, forward and backward.
 
@@ -522,6 +523,10 @@ def find_nonfinite(
             inputs, as ``mp_value_and_grad(..., autocast=True)`` does.
         no_cast_argnums: arguments passed uncast, as in
             :func:`jaxmp.mp_value_and_grad`.
+        matmul_dtype: with ``autocast=True``, a float8 dtype for the matrix
+            products, as in :func:`jaxmp.mp_value_and_grad`. The float32
+            shadow of a float8 product is the exact float32 product, so a
+            product whose float8 result goes wrong is reported at its line.
 
     Returns:
         A function ``(*args, scaler_state=None, **kwargs) -> NonfiniteReport``.
@@ -543,7 +548,7 @@ def find_nonfinite(
     step = kernel.Step.create(
         loss_fn, api="jaxmp.find_nonfinite", argnums=argnums, no_cast_argnums=no_cast_argnums,
         has_aux=has_aux, compute_dtype=compute_dtype, use_mixed_precision=True, axis_name=None,
-        autocast=autocast)
+        autocast=autocast, matmul_dtype=matmul_dtype)
     half = casting.canonical_float_dtype(compute_dtype, allowed=casting.COMPUTE_DTYPES,
                                          what="compute_dtype")
     if not casting.is_half_dtype(half):
