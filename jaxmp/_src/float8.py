@@ -219,6 +219,7 @@ def quantize(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
 
 def dequantize(y: jax.Array, inverse_scales: Iterable[jax.Array], dtype: Any) -> jax.Array:
     """A float32 product ``y`` of scaled operands, unscaled and cast to ``dtype``."""
+    y = y.astype(jnp.float32)
     for inv in inverse_scales:
         y = y * inv  # one at a time: their product could leave float32's range
     return y.astype(dtype)
