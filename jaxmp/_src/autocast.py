@@ -625,8 +625,8 @@ def autocast(
     passthrough: Iterable[str] | None = None,
     recompute_float32: bool = True,
     bounded: Iterable[str] | None = None,
-    matmul_dtype: Any = None,
-    float8_rules: float8.Float8Rules = float8.Float8Rules(),
+    matmul_dtype=None,
+    float8_rules=None,
 ) -> Callable:
     """Runs ``fn`` with a precision chosen per operation, like ``torch.autocast``.
 
@@ -719,7 +719,8 @@ def autocast(
             ``compute_dtype``; its backward products take the cotangent in
             ``float8_e5m2`` (convolutions: forward only). See ``docs/float8.md``.
         float8_rules: a :class:`jaxmp.Float8Rules`: which products stay in
-            ``compute_dtype`` under a float8 ``matmul_dtype``.
+            ``compute_dtype`` under a float8 ``matmul_dtype`` (default
+            ``jaxmp.Float8Rules()``: none).
 
     The default sets are also attributes of this function
     (``jaxmp.autocast.FULL_PRECISION``...); to change a rule, pass a new set,
@@ -747,6 +748,7 @@ def autocast(
     if not isinstance(rules, AutocastRules):
         raise TypeError(f"rules must be a jaxmp.AutocastRules, got {type(rules).__name__}.")
     matmul_dtype = float8.check_matmul_dtype(matmul_dtype, compute_dtype)
+    float8_rules = float8.Float8Rules() if float8_rules is None else float8_rules
     if not isinstance(float8_rules, float8.Float8Rules):
         raise TypeError(
             f"float8_rules must be a jaxmp.Float8Rules, got {type(float8_rules).__name__}.")
