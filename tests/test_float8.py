@@ -236,6 +236,22 @@ def test_float16_with_loss_scaling():
     assert _rel(grads[0]["w"], ref[0]["w"]) < 0.12
 
 
+def test_float8_products_written_in_fn_are_kept_by_an_outer_autocast():
+    # E.g. a loss already under autocast(matmul_dtype=...) given to
+    # mp_value_and_grad(autocast=True): the outer autocast must not widen it.
+    w, x = _operands(1.0)
+    loss = _f8(lambda w, x: jnp.sum(_matmul(w, x) ** 2),
+               float8_rules=jaxmp.Float8Rules(min_flops=1))
+    outer = jaxmp.autocast(loss, BF16)
+    assert _operand_dtypes(outer, w, x) == [("float8_e4m3fn", "float8_e4m3fn")]
+    assert any("float8_e5m2" in d for d in _operand_dtypes(jax.grad(outer), w, x))
+    step = jaxmp.mp_value_and_grad(loss, compute_dtype=BF16, autocast=True)
+    value, grads, _, _ = step(w, x, scaler_state=jaxmp.noop_scaler())
+    ref_value, ref = jax.value_and_grad(lambda w, x: jnp.sum(_matmul(w, x) ** 2))(w, x)
+    np.testing.assert_allclose(value, ref_value, rtol=0.05)
+    assert _rel(grads, ref) < 0.1
+
+
 # --- Control flow and transformations ---------------------------------------------------------------
 
 

@@ -385,6 +385,9 @@ class _Autocast(interpret.Interpreter):
             return interpret.bind(eqn, [x]), [(k or _KEPT) if wide else _PLAIN]
 
         if name in rules.low_precision:
+            if any(float8.is_float8_dtype(invals[i].dtype) for i in floats):
+                # A float8 product written in ``fn`` (or by an inner autocast): kept as it is.
+                return interpret.bind(eqn, invals), [_PLAIN] * nout
             if self.matmul_dtype is not None and len(floats) == len(invals) == 2:
                 product = float8.product_of(eqn, "/".join(s for s in self._scopes if s))
                 if not self.float8_rules.keeps(product):
