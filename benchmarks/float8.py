@@ -6,6 +6,9 @@ each variant,
 
 * ``bfloat16``: ``mp_value_and_grad(loss, compute_dtype=jnp.bfloat16, autocast=True)``,
 * ``float8``: the same with ``matmul_dtype=jnp.float8_e4m3fn``,
+* ``float8_head_bf16``: float8 but for the output projection, kept in
+  bfloat16 by a ``jaxmp.Float8Rules`` (the loss under ``jaxmp.autocast(...,
+  float8_rules=)`` given to ``mp_value_and_grad(..., autocast=True)``),
 
 it records, for the whole training step (gradient + ``jaxmp.optimizer_update``
 with Adam):
@@ -50,8 +53,9 @@ import jaxmp
 from benchmarks import models
 from benchmarks import vit as vit_bench
 
-VARIANTS = {"bfloat16": None, "float8": jnp.float8_e4m3fn}
+VARIANTS = ("bfloat16", "float8", "float8_head_bf16")
 COMPUTE_DTYPE = jnp.bfloat16
+E4M3 = jnp.float8_e4m3fn
 
 
 class Model(NamedTuple):
@@ -62,6 +66,19 @@ class Model(NamedTuple):
     params: Any
     batch: tuple  # one batch of arrays (timing and shapes)
     optimizer: Any
+    outputs: int  # classes or vocabulary: the output projection's width
+
+
+def float8_options(model: Model, variant: str) -> tuple[Any, Any]:
+    """``(matmul_dtype, float8_rules)`` of a variant; ``float8_head_bf16`` keeps the output
+    projection (the product whose result has the model's output width) in bfloat16."""
+    if variant == "bfloat16":
+        return None, None
+    if variant == "float8":
+        return E4M3, None
+    head = jaxmp.Float8Rules(keep_if=lambda p: p.rhs_shape[-1] == model.outputs
+                             and len(p.rhs_shape) == 2)
+    return E4M3, head
 
 
 def vit_model(config_name: str, batch_size: int, seed: int = 0) -> Model:
@@ -69,7 +86,7 @@ def vit_model(config_name: str, batch_size: int, seed: int = 0) -> Model:
     params = models.init_vit(jax.random.key(seed), config)
     batch = vit_bench.random_batch(jax.random.key(seed + 1), config, batch_size)
     loss = functools.partial(models.vit_loss, config=config)
-    return Model(f"vit_{config_name}", loss, params, batch, optax.adam(1e-3))
+    return Model(f"vit_{config_name}", loss, params, batch, optax.adam(1e-3), config.num_classes)
 
 
 def _transformer_example():
@@ -90,17 +107,31 @@ def transformer_model(batch_size: int, seq_len: int, width: int, layers: int, he
         optax.warmup_cosine_decay_schedule(0.0, 2e-3, steps // 10 + 1, steps)))
     batch = next(ex.batches(corpus.train, batch_size, seq_len, 1, seed))
     return Model("transformer_lm", loss, params, tuple(jnp.asarray(b) for b in batch),
-                 optimizer), corpus
+                 optimizer, len(corpus.vocab)), corpus
 
 
-def autocast_loss(loss: Callable, matmul_dtype) -> Callable:
-    return jaxmp.autocast(loss, COMPUTE_DTYPE, matmul_dtype=matmul_dtype)
+def autocast_loss(model: Model, variant: str) -> Callable:
+    matmul_dtype, rules = float8_options(model, variant)
+    return jaxmp.autocast(model.loss, COMPUTE_DTYPE, matmul_dtype=matmul_dtype,
+                          float8_rules=rules)
 
 
-def make_step(loss: Callable, optimizer, matmul_dtype) -> tuple[Callable, Callable]:
-    """``(init, step)``: a jaxmp training step with bfloat16 autocast and ``matmul_dtype``."""
-    grad_fn = jaxmp.mp_value_and_grad(loss, compute_dtype=COMPUTE_DTYPE, autocast=True,
-                                      matmul_dtype=matmul_dtype)
+def make_step(model: Model, variant: str) -> tuple[Callable, Callable]:
+    """``(init, step)``: a jaxmp training step with bfloat16 autocast and the variant's products.
+
+    ``float8`` goes through ``mp_value_and_grad(..., matmul_dtype=)``; a variant
+    with rules gives ``mp_value_and_grad`` a loss already under
+    ``jaxmp.autocast(..., float8_rules=)`` (the outer autocast keeps its
+    float8 products).
+    """
+    optimizer = model.optimizer
+    matmul_dtype, rules = float8_options(model, variant)
+    if rules is None:
+        grad_fn = jaxmp.mp_value_and_grad(model.loss, compute_dtype=COMPUTE_DTYPE, autocast=True,
+                                          matmul_dtype=matmul_dtype)
+    else:
+        grad_fn = jaxmp.mp_value_and_grad(autocast_loss(model, variant),
+                                          compute_dtype=COMPUTE_DTYPE, autocast=True)
 
     def init(params):
         return {"params": params, "opt_state": optimizer.init(params),
@@ -123,10 +154,10 @@ def _shares(flops: dict[str, int]) -> dict[str, float]:
     return {"total": total, "float8": float8, "low": low}
 
 
-def static_figures(model: Model, matmul_dtype, repeats: int) -> tuple[dict, Any, Any]:
+def static_figures(model: Model, variant: str) -> tuple[dict, Any, Any]:
     """FLOP shares, saved activations and XLA memory of one variant; its compiled step."""
-    loss = autocast_loss(model.loss, matmul_dtype)
-    init, step = make_step(model.loss, model.optimizer, matmul_dtype)
+    loss = autocast_loss(model, variant)
+    init, step = make_step(model, variant)
     state = init(model.params)
     fwd = _shares(jaxmp.matmul_flops(loss, model.params, *model.batch))
     both = _shares(jaxmp.matmul_flops(step, state, *model.batch))
@@ -178,8 +209,8 @@ def digits_batches(steps: int, batch_size: int, seed: int = 0):
     return data, (tile(test.images), test.labels)
 
 
-def train(model: Model, matmul_dtype, data, test_batches) -> dict[str, Any]:
-    init, step = make_step(model.loss, model.optimizer, matmul_dtype)
+def train(model: Model, variant: str, data, test_batches) -> dict[str, Any]:
+    init, step = make_step(model, variant)
     step = jax.jit(step)
     state = init(model.params)
     losses = []
@@ -208,9 +239,8 @@ def run(args) -> dict[str, Any]:
     for name in args.models:
         model = chosen[name]()
         rows, compiled, inits = {}, {}, {}
-        for variant, matmul_dtype in VARIANTS.items():
-            rows[variant], compiled[variant], inits[variant] = static_figures(
-                model, matmul_dtype, args.repeats)
+        for variant in VARIANTS:
+            rows[variant], compiled[variant], inits[variant] = static_figures(model, variant)
         if args.repeats:
             for variant, t in time_steps(compiled, inits, model, args.repeats).items():
                 rows[variant]["step_time_s"] = t
@@ -233,9 +263,10 @@ def run(args) -> dict[str, Any]:
             test = list(ex.batches(corpus.test, args.lm_batch, args.lm_seq_len, 8, seed=1234))
             runs["transformer_lm"] = (lm, data, test)
         for name, (model, data, test) in runs.items():
-            out = {v: train(model, d, data, test) for v, d in VARIANTS.items()}
-            b, f = out["bfloat16"]["final_train_loss"], out["float8"]["final_train_loss"]
-            out["final_loss_ratio"] = f / b
+            out = {v: train(model, v, data, test) for v in VARIANTS}
+            b = out["bfloat16"]["final_train_loss"]
+            out["final_loss_ratio"] = out["float8"]["final_train_loss"] / b
+            out["final_loss_ratio_head_bf16"] = out["float8_head_bf16"]["final_train_loss"] / b
             results["training"][name] = out
             print(f"{name}: " + json.dumps(out), flush=True)
     return results
@@ -255,13 +286,14 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{100 * r['low_precision_share_step']:.2f}% | {mib(r['saved_activation_bytes'])} | "
                 f"{mib(r.get('xla_total_bytes'))} | {'-' if t is None else f'{1e3 * t:.1f}'} |")
     if results["training"]:
-        lines += ["", "| run | steps | final train loss bf16 | final train loss float8 | ratio | "
-                  "test loss (f32) bf16 | test loss (f32) float8 |", "|---|---|---|---|---|---|---|"]
+        lines += ["", "| run | steps | variant | final train loss (mean of last 20) | "
+                  "ratio to bfloat16 | test loss (float32 eval) |", "|---|---|---|---|---|---|"]
         for name, out in results["training"].items():
-            b, f = out["bfloat16"], out["float8"]
-            lines.append(f"| {name} | {b['steps']} | {b['final_train_loss']:.4f} | "
-                         f"{f['final_train_loss']:.4f} | {out['final_loss_ratio']:.4f} | "
-                         f"{b['test_loss_float32']:.4f} | {f['test_loss_float32']:.4f} |")
+            base = out["bfloat16"]["final_train_loss"]
+            for v in VARIANTS:
+                r = out[v]
+                lines.append(f"| {name} | {r['steps']} | {v} | {r['final_train_loss']:.4f} | "
+                             f"{r['final_train_loss'] / base:.4f} | {r['test_loss_float32']:.4f} |")
     return "\n".join(lines)
 
 

@@ -19,6 +19,8 @@ def test_quick_run_reports_float8_shares_memory_and_losses(tmp_path):
         # float8 residuals take one byte per element where bfloat16 takes two.
         assert f8["saved_activation_bytes"] < bf16["saved_activation_bytes"]
         assert f8["xla_total_bytes"] > 0 and f8["step_time_s"] > 0
+        head = rows["float8_head_bf16"]  # the output projection in bfloat16, the rest float8
+        assert 0.5 < head["float8_share_step"] < 1.0 and head["low_precision_share_step"] == 1.0
     for name, run in results["training"].items():
         assert run["float8"]["nonfinite_losses"] == 0
         assert run["float8"]["final_train_loss"] < run["float8"]["first_loss"]  # it trains
