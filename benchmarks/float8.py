@@ -54,6 +54,7 @@ from benchmarks import models
 from benchmarks import vit as vit_bench
 
 VARIANTS = ("bfloat16", "float8", "float8_head_bf16")
+TRAIN_VARIANTS = ("float32",) + VARIANTS
 COMPUTE_DTYPE = jnp.bfloat16
 E4M3 = jnp.float8_e4m3fn
 
@@ -72,7 +73,7 @@ class Model(NamedTuple):
 def float8_options(model: Model, variant: str) -> tuple[Any, Any]:
     """``(matmul_dtype, float8_rules)`` of a variant; ``float8_head_bf16`` keeps the output
     projection (the product whose result has the model's output width) in bfloat16."""
-    if variant == "bfloat16":
+    if variant in ("bfloat16", "float32"):
         return None, None
     if variant == "float8":
         return E4M3, None
@@ -126,7 +127,9 @@ def make_step(model: Model, variant: str) -> tuple[Callable, Callable]:
     """
     optimizer = model.optimizer
     matmul_dtype, rules = float8_options(model, variant)
-    if rules is None:
+    if variant == "float32":  # the reference: no casts, no scaling
+        grad_fn = jaxmp.mp_value_and_grad(model.loss, use_mixed_precision=False)
+    elif rules is None:
         grad_fn = jaxmp.mp_value_and_grad(model.loss, compute_dtype=COMPUTE_DTYPE, autocast=True,
                                           matmul_dtype=matmul_dtype)
     else:
@@ -198,12 +201,14 @@ def time_steps(compiled: dict, inits: dict, model: Model, repeats: int, warmup: 
 # --- Training: the same steps in both variants ---------------------------------------------------
 
 
-def digits_batches(steps: int, batch_size: int, seed: int = 0):
-    """scikit-learn's digits, 8x8 tiled to 3 channels for the tiny ViT; and the test split."""
+def digits_batches(steps: int, batch_size: int, seed: int = 0, upsample: int = 1):
+    """scikit-learn's digits, 8x8 tiled to 3 channels (and upsampled ``upsample`` times in
+    each direction: 4 for the desktop ViT's 32x32); and the test split."""
     from examples import digits  # pylint: disable=g-import-not-at-top
 
     train, test = digits.load()
-    tile = lambda images: np.repeat(images, 3, axis=-1)
+    ones = np.ones((1, upsample, upsample, 1), np.float32)
+    tile = lambda images: np.kron(np.repeat(images, 3, axis=-1), ones)
     stacked = digits.epoch_batches(train, batch_size, steps, seed)
     data = [(tile(stacked.images[i]), stacked.labels[i]) for i in range(steps)]
     return data, (tile(test.images), test.labels)
@@ -236,7 +241,7 @@ def run(args) -> dict[str, Any]:
     chosen = {"vit_tiny": lambda: vit_model("tiny", args.tiny_batch),
               "vit_desktop": lambda: vit_model("desktop", args.desktop_batch),
               "transformer_lm": lambda: lm}
-    for name in args.models:
+    for name in args.models if args.static else ():
         model = chosen[name]()
         rows, compiled, inits = {}, {}, {}
         for variant in VARIANTS:
@@ -250,26 +255,51 @@ def run(args) -> dict[str, Any]:
         del compiled
 
     if args.train:
-        ex = _transformer_example()
-        runs = {}
-        if "vit_tiny" in args.models:
-            tiny = vit_model("tiny", args.tiny_batch)
-            data, (test_x, test_y) = digits_batches(args.vit_steps, args.tiny_batch)
-            test = [(test_x[i:i + 120], test_y[i:i + 120]) for i in range(0, len(test_y) - 119, 120)]
-            runs["vit_tiny_digits"] = (tiny, data, test)
-        if "transformer_lm" in args.models:
-            data = [tuple(b) for b in ex.batches(corpus.train, args.lm_batch, args.lm_seq_len,
-                                                 args.lm_steps, seed=0)]
-            test = list(ex.batches(corpus.test, args.lm_batch, args.lm_seq_len, 8, seed=1234))
-            runs["transformer_lm"] = (lm, data, test)
-        for name, (model, data, test) in runs.items():
-            out = {v: train(model, v, data, test) for v in VARIANTS}
-            b = out["bfloat16"]["final_train_loss"]
-            out["final_loss_ratio"] = out["float8"]["final_train_loss"] / b
-            out["final_loss_ratio_head_bf16"] = out["float8_head_bf16"]["final_train_loss"] / b
-            results["training"][name] = out
-            print(f"{name}: " + json.dumps(out), flush=True)
+        results["training"] = training(args, corpus)
     return results
+
+
+def training(args, corpus) -> dict[str, Any]:
+    """Trains every variant (and float32) per seed on the same batches; mean final losses."""
+    ex = _transformer_example()
+    names = [n for n, m in (("vit_tiny_digits", "vit_tiny"), ("transformer_lm", "transformer_lm"))
+             if m in args.models]
+    if args.desktop_train_steps:
+        names.append("vit_desktop_digits")
+    out = {}
+    for name in names:
+        per_seed = []
+        for seed in range(args.seeds):
+            if name == "vit_tiny_digits":
+                model = vit_model("tiny", args.tiny_batch, seed=seed)
+                data, (tx, ty) = digits_batches(args.vit_steps, args.tiny_batch, seed=seed)
+                test = [(tx[i:i + 120], ty[i:i + 120]) for i in range(0, len(ty) - 119, 120)]
+            elif name == "vit_desktop_digits":
+                model = vit_model("desktop", args.desktop_train_batch, seed=seed)
+                data, (tx, ty) = digits_batches(args.desktop_train_steps,
+                                                args.desktop_train_batch, seed=seed, upsample=4)
+                test = [(tx[i:i + 60], ty[i:i + 60]) for i in range(0, 240, 60)]
+            else:
+                model, _ = transformer_model(args.lm_batch, args.lm_seq_len, args.lm_width,
+                                             args.lm_layers, args.lm_heads, args.lm_steps, seed)
+                data = [tuple(b) for b in ex.batches(corpus.train, args.lm_batch,
+                                                     args.lm_seq_len, args.lm_steps, seed=seed)]
+                test = list(ex.batches(corpus.test, args.lm_batch, args.lm_seq_len, 8, seed=1234))
+            variants = TRAIN_VARIANTS if name != "vit_desktop_digits" else VARIANTS
+            per_seed.append({v: train(model, v, data, test) for v in variants})
+            print(f"{name} seed {seed}: " + json.dumps(per_seed[-1]), flush=True)
+        mean = {v: float(np.mean([r[v]["final_train_loss"] for r in per_seed]))
+                for v in variants}
+        out[name] = {
+            "steps": len(data), "seeds": per_seed, "mean_final_train_loss": mean,
+            "ratio_to_bfloat16": {v: mean[v] / mean["bfloat16"] for v in variants},
+            "per_seed_ratio_to_bfloat16": {
+                v: [r[v]["final_train_loss"] / r["bfloat16"]["final_train_loss"] for r in per_seed]
+                for v in variants},
+            "nonfinite_losses": sum(r[v]["nonfinite_losses"] for r in per_seed
+                                    for v in variants),
+        }
+    return out
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -286,14 +316,16 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{100 * r['low_precision_share_step']:.2f}% | {mib(r['saved_activation_bytes'])} | "
                 f"{mib(r.get('xla_total_bytes'))} | {'-' if t is None else f'{1e3 * t:.1f}'} |")
     if results["training"]:
-        lines += ["", "| run | steps | variant | final train loss (mean of last 20) | "
-                  "ratio to bfloat16 | test loss (float32 eval) |", "|---|---|---|---|---|---|"]
+        lines += ["", "| run | steps x seeds | variant | final train loss (mean of last 20 "
+                  "steps, mean over seeds) | ratio to bfloat16 | per seed | test loss "
+                  "(float32 eval, mean) |", "|---|---|---|---|---|---|---|"]
         for name, out in results["training"].items():
-            base = out["bfloat16"]["final_train_loss"]
-            for v in VARIANTS:
-                r = out[v]
-                lines.append(f"| {name} | {r['steps']} | {v} | {r['final_train_loss']:.4f} | "
-                             f"{r['final_train_loss'] / base:.4f} | {r['test_loss_float32']:.4f} |")
+            for v in out["mean_final_train_loss"]:
+                per = ", ".join(f"{r:.3f}" for r in out["per_seed_ratio_to_bfloat16"][v])
+                test = np.mean([r[v]["test_loss_float32"] for r in out["seeds"]])
+                lines.append(f"| {name} | {out['steps']} x {len(out['seeds'])} | {v} | "
+                             f"{out['mean_final_train_loss'][v]:.4f} | "
+                             f"{out['ratio_to_bfloat16'][v]:.4f} | {per} | {test:.4f} |")
     return "\n".join(lines)
 
 
@@ -303,7 +335,14 @@ def parse_args(argv):
     parser.add_argument("--models", default="vit_tiny,vit_desktop,transformer_lm")
     parser.add_argument("--tiny-batch", type=int, default=64)
     parser.add_argument("--desktop-batch", type=int, default=64)
-    parser.add_argument("--vit-steps", type=int, default=400)
+    parser.add_argument("--vit-steps", type=int, default=100,
+                        help="tiny-ViT training steps (past ~200 the digits loss is near 0)")
+    parser.add_argument("--seeds", type=int, default=3, help="training runs per model")
+    parser.add_argument("--desktop-train-steps", type=int, default=0,
+                        help="also train the desktop ViT on digits upsampled to 32x32 (slow)")
+    parser.add_argument("--desktop-train-batch", type=int, default=16)
+    parser.add_argument("--no-static", dest="static", action="store_false",
+                        help="training only: no FLOP shares, memory or timing")
     parser.add_argument("--lm-steps", type=int, default=300)
     parser.add_argument("--lm-batch", type=int, default=16)
     parser.add_argument("--lm-seq-len", type=int, default=64)
@@ -320,6 +359,7 @@ def parse_args(argv):
     if args.quick:
         args.models = [m for m in args.models if m != "vit_desktop"]
         args.vit_steps = args.lm_steps = 25
+        args.seeds = 1
         args.tiny_batch, args.lm_batch, args.lm_seq_len = 32, 8, 32
         args.lm_width, args.lm_layers, args.lm_heads = 32, 1, 2
         args.repeats = min(args.repeats, 2)

@@ -21,8 +21,11 @@ def test_quick_run_reports_float8_shares_memory_and_losses(tmp_path):
         assert f8["xla_total_bytes"] > 0 and f8["step_time_s"] > 0
         head = rows["float8_head_bf16"]  # the output projection in bfloat16, the rest float8
         assert 0.5 < head["float8_share_step"] < 1.0 and head["low_precision_share_step"] == 1.0
+    assert results["training"].keys() == {"vit_tiny_digits", "transformer_lm"}
     for name, run in results["training"].items():
-        assert run["float8"]["nonfinite_losses"] == 0
-        assert run["float8"]["final_train_loss"] < run["float8"]["first_loss"]  # it trains
-        assert abs(run["final_loss_ratio"] - 1) < 0.05, name
+        assert run["nonfinite_losses"] == 0
+        (seed,) = run["seeds"]
+        assert seed["float8"]["final_train_loss"] < seed["float8"]["first_loss"]  # it trains
+        assert abs(run["ratio_to_bfloat16"]["float8"] - 1) < 0.05, name
+        assert abs(run["ratio_to_bfloat16"]["float32"] - 1) < 0.05, name
     assert "| vit_tiny | float8 |" in (tmp_path / "results.md").read_text()

@@ -388,7 +388,8 @@ class _Autocast(interpret.Interpreter):
             if any(float8.is_float8_dtype(invals[i].dtype) for i in floats):
                 # A float8 product written in ``fn`` (or by an inner autocast): kept as it is.
                 return interpret.bind(eqn, invals), [_PLAIN] * nout
-            if self.matmul_dtype is not None and len(floats) == len(invals) == 2:
+            if (self.matmul_dtype is not None and name in self.float8_rules.primitives
+                    and len(floats) == len(invals) == 2):
                 product = float8.product_of(eqn, "/".join(s for s in self._scopes if s))
                 if not self.float8_rules.keeps(product):
                     # Float8 operands scaled from their own amax, float32 accumulation.
