@@ -7,7 +7,7 @@ import pytest
 from benchmarks import float8 as bench
 
 
-@pytest.mark.slow  # about two minutes on 2 busy CPU cores (compiles and trains two models twice)
+@pytest.mark.slow  # about three minutes on 2 busy CPU cores (compiles and trains two models 4 ways)
 def test_quick_run_reports_float8_shares_memory_and_losses(tmp_path):
     results = bench.main(["--out", str(tmp_path), "--quick", "--repeats", "1"])
     saved = json.loads((tmp_path / "results.json").read_text())

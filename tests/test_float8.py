@@ -196,13 +196,13 @@ def _mlp_batch(n=64, seed=1):
 def test_tiny_mlp_gradients_close_to_float32():
     params, (x, y) = _mlp_params(), _mlp_batch()
     ref_loss, ref = jax.value_and_grad(_mlp_loss)(params, x, y)
-    loss, got = jax.value_and_grad(_f8(_mlp_loss))(params, x, y)
+    loss, got = jax.jit(jax.value_and_grad(_f8(_mlp_loss)))(params, x, y)
     np.testing.assert_allclose(loss, ref_loss, rtol=0.02)
     for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
         assert g.dtype == jnp.float32
         assert _rel(g, r) < 0.15
     # bfloat16 autocast for scale: float8 is within a few times its error.
-    bf16 = jax.grad(jaxmp.autocast(_mlp_loss, BF16))(params, x, y)
+    bf16 = jax.jit(jax.grad(jaxmp.autocast(_mlp_loss, BF16)))(params, x, y)
     assert _rel(jax.tree_util.tree_leaves(bf16)[1], jax.tree_util.tree_leaves(ref)[1]) < 0.02
 
 
@@ -230,7 +230,7 @@ def test_float16_with_loss_scaling():
     ref_loss, ref = jax.value_and_grad(_mlp_loss)(params, x, y)
     step = jaxmp.mp_value_and_grad(_mlp_loss, compute_dtype=jnp.float16, autocast=True,
                                    matmul_dtype=E4M3)
-    loss, grads, _, finite = step(params, x, y, scaler_state=jaxmp.init_scaler())
+    loss, grads, _, finite = jax.jit(step)(params, x, y, scaler_state=jaxmp.init_scaler())
     assert bool(finite)
     np.testing.assert_allclose(loss, ref_loss, rtol=0.02)
     assert _rel(grads[0]["w"], ref[0]["w"]) < 0.12
@@ -349,8 +349,8 @@ def test_convolution_forward_in_float8():
 
     assert _operand_dtypes(_f8(fn), w, x, prim="conv_general_dilated") == [
         ("float8_e4m3fn", "float8_e4m3fn")]
-    np.testing.assert_allclose(_f8(fn, jnp.float32)(w, x), fn(w, x), rtol=0.05)
-    got, ref = jax.grad(_f8(fn, jnp.float32))(w, x), jax.grad(fn)(w, x)
+    np.testing.assert_allclose(jax.jit(_f8(fn, jnp.float32))(w, x), fn(w, x), rtol=0.05)
+    got, ref = jax.jit(jax.grad(_f8(fn, jnp.float32)))(w, x), jax.grad(fn)(w, x)
     assert _rel(got, ref) < 0.1
     no_conv = jaxmp.Float8Rules(primitives={"dot_general"})
     assert _operand_dtypes(_f8(fn, float8_rules=no_conv), w, x, prim="conv_general_dilated") == [
@@ -410,7 +410,7 @@ def test_predicate_sees_the_product():
 
 
 def test_find_nonfinite_with_float8_products():
-    params, (x, y) = _mlp_params(), _mlp_batch(16)
+    params, (x, y) = _mlp_params(sizes=(32, 64, 10)), _mlp_batch(16)  # eager: keep it small
     opts = dict(autocast=True, matmul_dtype=E4M3)
     report = jaxmp.find_nonfinite(_mlp_loss, **opts)(params, x, y)
     assert not report and not report.findings  # float8 rounding is not reported as a problem
