@@ -12,9 +12,11 @@ from jaxmp._src.casting import cast_tree
 from jaxmp._src.casting import force_full_precision
 from jaxmp._src.casting import is_float_array
 from jaxmp._src.census import MostlyFloat32Warning
+from jaxmp._src.diagnostics import float8_matmul_flop_share
 from jaxmp._src.diagnostics import half_matmul_flop_share
 from jaxmp._src.diagnostics import matmul_flops
 from jaxmp._src.diagnostics import saved_activation_bytes
+from jaxmp._src.float8 import Float8Rules
 from jaxmp._src.grad import mp_grad
 from jaxmp._src.grad import mp_value_and_grad
 from jaxmp._src.loss_scale import adjust
@@ -56,6 +58,8 @@ __all__ = (
     "cast_tree",
     "find_nonfinite",
     "Finding",
+    "Float8Rules",
+    "float8_matmul_flop_share",
     "force_full_precision",
     "get_policy",
     "half_matmul_flop_share",

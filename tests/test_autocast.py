@@ -467,7 +467,7 @@ def test_rules_value_prints_short_and_validates():
     assert repr(rules) == ("AutocastRules(full_precision=FULL_PRECISION | {'tanh'}, "
                            "bounded=BOUNDED - {'tanh'})")
     signature = str(inspect.signature(jaxmp.autocast))  # what help() prints first
-    assert "reduce_sum" not in signature and len(signature) < 400
+    assert "reduce_sum" not in signature and len(signature) < 450
     with pytest.raises(TypeError, match="primitive names"):
         jaxmp.AutocastRules(follow=["add", 1])
     with pytest.raises(TypeError, match="AutocastRules"):

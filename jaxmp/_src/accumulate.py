@@ -119,6 +119,7 @@ def accumulate_value_and_grad(
     axis_name: Any = None,
     autocast: bool = True,
     reduce_dtype: Any = None,
+    matmul_dtype: Any = None,
 ) -> Callable:
     """Like :func:`jaxmp.mp_value_and_grad`, accumulated over micro-batches.
 
@@ -166,6 +167,7 @@ def accumulate_value_and_grad(
             gradients are averaged over devices once per window.
         autocast: as in :func:`jaxmp.mp_value_and_grad`.
         reduce_dtype: as in :func:`jaxmp.mp_value_and_grad`.
+        matmul_dtype: as in :func:`jaxmp.mp_value_and_grad`.
 
     Returns:
         A function returning ``(loss, grads, scaler_state, finite)``, or
@@ -200,7 +202,7 @@ def accumulate_value_and_grad(
         fn, api="jaxmp.accumulate_value_and_grad", argnums=argnums,
         no_cast_argnums=no_cast_argnums, has_aux=has_aux, compute_dtype=compute_dtype,
         use_mixed_precision=use_mixed_precision, axis_name=axis_name, autocast=autocast,
-        reduce_dtype=reduce_dtype)
+        reduce_dtype=reduce_dtype, matmul_dtype=matmul_dtype)
     batch_nums = None if batch_argnums is None else kernel.int_tuple(batch_argnums,
                                                                      "batch_argnums")
 

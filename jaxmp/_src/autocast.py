@@ -57,6 +57,7 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from jaxmp._src import casting
+from jaxmp._src import float8
 from jaxmp._src import interpret
 
 # Matrix products and convolutions: run in the compute dtype.
@@ -279,12 +280,24 @@ class _Autocast(interpret.Interpreter):
     in half precision like the hand-written model's.
     """
 
-    def __init__(self, compute_dtype: np.dtype, rules: AutocastRules, keep: frozenset = frozenset()):
+    def __init__(self, compute_dtype: np.dtype, rules: AutocastRules, keep: frozenset = frozenset(),
+                 matmul_dtype: np.dtype | None = None,
+                 float8_rules: float8.Float8Rules = float8.Float8Rules()):
         super().__init__()
         self.compute_dtype = compute_dtype
         self.rules = rules
         self.keep = keep
+        self.matmul_dtype = matmul_dtype  # a float8 dtype, or None: products in compute_dtype
+        self.float8_rules = float8_rules
+        self._scopes: list[str] = []  # name stacks of the equations being evaluated
         self._casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
+
+    def eval_eqn(self, eqn, invals):
+        self._scopes.append(str(eqn.source_info.name_stack))
+        try:
+            return super().eval_eqn(eqn, invals)
+        finally:
+            self._scopes.pop()
 
     def eval_jaxpr(self, jaxpr, consts, args):
         # One cache of conversions per jaxpr evaluation: everything it holds
@@ -372,6 +385,16 @@ class _Autocast(interpret.Interpreter):
             return interpret.bind(eqn, [x]), [(k or _KEPT) if wide else _PLAIN]
 
         if name in rules.low_precision:
+            if any(float8.is_float8_dtype(invals[i].dtype) for i in floats):
+                # A float8 product written in ``fn`` (or by an inner autocast): kept as it is.
+                return interpret.bind(eqn, invals), [_PLAIN] * nout
+            if (self.matmul_dtype is not None and name in self.float8_rules.primitives
+                    and len(floats) == len(invals) == 2):
+                product = float8.product_of(eqn, "/".join(s for s in self._scopes if s))
+                if not self.float8_rules.keeps(product):
+                    # Float8 operands scaled from their own amax, float32 accumulation.
+                    return [float8.scaled_product(eqn, invals, self.compute_dtype,
+                                                  self.matmul_dtype)], [_PLAIN]
             cast = list(invals)
             for i in floats:
                 cast[i] = self.cast(cast[i], self.compute_dtype)
@@ -606,6 +629,8 @@ def autocast(
     passthrough: Iterable[str] | None = None,
     recompute_float32: bool = True,
     bounded: Iterable[str] | None = None,
+    matmul_dtype=None,
+    float8_rules=None,
 ) -> Callable:
     """Runs ``fn`` with a precision chosen per operation, like ``torch.autocast``.
 
@@ -690,6 +715,16 @@ def autocast(
             pass instead of saving them (see above).
         bounded: if given, replaces ``rules.bounded`` (saturating functions
             whose float32 operands are narrowed).
+        matmul_dtype: ``None`` (default): matrix products in
+            ``compute_dtype``. ``jnp.float8_e4m3fn`` (or ``jnp.float8_e5m2``):
+            every ``low_precision`` product that ``float8_rules`` selects
+            runs with float8 operands, each scaled per tensor from its
+            current absolute maximum, accumulating in float32, its result in
+            ``compute_dtype``; its backward products take the cotangent in
+            ``float8_e5m2`` (convolutions: forward only). See ``docs/float8.md``.
+        float8_rules: a :class:`jaxmp.Float8Rules`: which products stay in
+            ``compute_dtype`` under a float8 ``matmul_dtype`` (default
+            ``jaxmp.Float8Rules()``: none).
 
     The default sets are also attributes of this function
     (``jaxmp.autocast.FULL_PRECISION``...); to change a rule, pass a new set,
@@ -716,6 +751,11 @@ def autocast(
     )
     if not isinstance(rules, AutocastRules):
         raise TypeError(f"rules must be a jaxmp.AutocastRules, got {type(rules).__name__}.")
+    matmul_dtype = float8.check_matmul_dtype(matmul_dtype, compute_dtype)
+    float8_rules = float8.Float8Rules() if float8_rules is None else float8_rules
+    if not isinstance(float8_rules, float8.Float8Rules):
+        raise TypeError(
+            f"float8_rules must be a jaxmp.Float8Rules, got {type(float8_rules).__name__}.")
     overrides = {"low_precision": low_precision, "full_precision": full_precision,
                  "follow": follow, "passthrough": passthrough, "bounded": bounded}
     overrides = {k: v for k, v in overrides.items() if v is not None}
@@ -725,7 +765,8 @@ def autocast(
 
     def run_autocast(closed, dyn):
         out_avals = closed.out_avals
-        interpreter = _Autocast(compute_dtype, rules, _narrow_safe(closed, rules))
+        interpreter = _Autocast(compute_dtype, rules, _narrow_safe(closed, rules),
+                                matmul_dtype, float8_rules)
         consts = list(closed.consts)
 
         def run(*flat):

@@ -5,8 +5,9 @@ can be tracked on a CPU-only machine and still say what a GPU will see:
 
 * :func:`saved_activation_bytes`: the bytes a function's VJP keeps for the
   backward pass (the activations), from ``jax.eval_shape``: nothing runs.
-* :func:`matmul_flops` / :func:`half_matmul_flop_share`: the FLOPs of every
-  matrix product and convolution in the program lowered for a GPU, by dtype.
+* :func:`matmul_flops` / :func:`half_matmul_flop_share` /
+  :func:`float8_matmul_flop_share`: the FLOPs of every matrix product and
+  convolution in the program lowered for a GPU, by dtype.
 """
 
 from __future__ import annotations
@@ -126,7 +127,21 @@ def _op_flops(line: str) -> tuple[str, int] | None:
         labels = [d.strip() for d in _CONV_DIMS.search(line).group(1).split(",")]
         macs = math.prod(out) * math.prod(rhs) // rhs[labels.index("o")]
     lhs_t, rhs_t = _dtype_name(lhs_t), _dtype_name(rhs_t)
-    return (lhs_t if lhs_t == rhs_t else "mixed"), 2 * macs
+    if lhs_t == rhs_t:
+        return lhs_t, 2 * macs
+    if _is_float8_name(lhs_t) and _is_float8_name(rhs_t):
+        # Two float8 formats (e4m3 weights times an e5m2 cotangent): one float8 product.
+        return "+".join(sorted((lhs_t, rhs_t))), 2 * macs
+    return "mixed", 2 * macs
+
+
+def _is_float8_name(name: str) -> bool:
+    return name.startswith("float8_") or name.startswith("f8")
+
+
+def _is_float8_key(key: str) -> bool:
+    """Whether a :func:`matmul_flops` key names a float8 product (one or two float8 formats)."""
+    return all(_is_float8_name(part) for part in key.split("+"))
 
 
 def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any) -> dict[str, int]:
@@ -136,7 +151,10 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any
     ``platform`` (no such device is needed: lowering for ``"cuda"`` works on a
     CPU-only machine). Each ``dot_general`` and ``convolution`` contributes
     ``2 * multiply-adds`` under the name of its operand dtype, or ``"mixed"``
-    when its two operands differ. An operation inside a loop body (``scan``,
+    when its two operands differ; a product of two different float8 formats
+    (the backward products of ``autocast(..., matmul_dtype=...)``) is
+    counted under both names joined by ``+``
+    (``"float8_e4m3fn+float8_e5m2"``). An operation inside a loop body (``scan``,
     ``while``) is counted once, not once per iteration.
 
     Args:
@@ -174,9 +192,12 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any
 
 
 def half_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any) -> float:
-    """The share of :func:`matmul_flops` whose operands are both float16 or bfloat16.
+    """The share of :func:`matmul_flops` in low precision: float16, bfloat16 or float8 operands.
 
-    Returns ``0.0`` for a function with no matrix products.
+    A product counts when both operands are float16, both bfloat16, or both
+    float8 (of one or two float8 formats); :func:`float8_matmul_flop_share`
+    counts the float8 ones alone. Returns ``0.0`` for a function with no
+    matrix products.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -189,8 +210,37 @@ def half_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", **k
         >>> jaxmp.half_matmul_flop_share(jaxmp.cast_function(f, jnp.float16), w, x)
         1.0
     """
-    totals = matmul_flops(fn, *args, platform=platform, **kwargs)
+    return low_precision_share(matmul_flops(fn, *args, platform=platform, **kwargs))
+
+
+def float8_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any) -> float:
+    """The share of :func:`matmul_flops` whose operands are both float8 (any float8 formats).
+
+    Returns ``0.0`` for a function with no matrix products.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jaxmp
+        >>> def f(w, x):
+        ...     return jnp.sum(x @ w)
+        >>> w, x = jnp.ones((32, 32)), jnp.ones((16, 32))
+        >>> jaxmp.float8_matmul_flop_share(jaxmp.autocast(f, jnp.bfloat16), w, x)
+        0.0
+        >>> jaxmp.float8_matmul_flop_share(
+        ...     jaxmp.autocast(f, jnp.bfloat16, matmul_dtype=jnp.float8_e4m3fn), w, x)
+        1.0
+    """
+    return float8_share(matmul_flops(fn, *args, platform=platform, **kwargs))
+
+
+def low_precision_share(totals: dict[str, int]) -> float:
+    """The share of half-precision and float8 products in :func:`matmul_flops` counts."""
     total = sum(totals.values())
-    if total == 0:
-        return 0.0
-    return sum(totals.get(name, 0) for name in _HALF_NAMES) / total
+    low = sum(v for k, v in totals.items() if k in _HALF_NAMES or _is_float8_key(k))
+    return low / total if total else 0.0
+
+
+def float8_share(totals: dict[str, int]) -> float:
+    """The share of float8 products in :func:`matmul_flops` counts."""
+    total = sum(totals.values())
+    return sum(v for k, v in totals.items() if _is_float8_key(k)) / total if total else 0.0

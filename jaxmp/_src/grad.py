@@ -20,6 +20,7 @@ def mp_value_and_grad(
     axis_name: Any = None,
     autocast: bool = True,
     reduce_dtype: Any = None,
+    matmul_dtype: Any = None,
 ) -> Callable:
     """Like ``jax.value_and_grad``, in mixed precision with loss scaling.
 
@@ -93,6 +94,9 @@ def mp_value_and_grad(
             their gradients in float32 before the cast back; twice the
             traffic of float16). ``jnp.bfloat16``/``jnp.float16``: jaxmp's
             own sums in that dtype too, halving their traffic.
+        matmul_dtype: with ``autocast=True``, ``jnp.float8_e4m3fn`` runs the
+            matrix products in float8 (``jaxmp.autocast``'s ``matmul_dtype``);
+            ``None`` (default): in ``compute_dtype``.
 
     Returns:
         A function returning ``(loss, grads, scaler_state, finite)``, or
@@ -115,7 +119,7 @@ def mp_value_and_grad(
         fn, api="jaxmp.mp_value_and_grad", argnums=argnums, no_cast_argnums=no_cast_argnums,
         has_aux=has_aux, compute_dtype=compute_dtype, use_mixed_precision=use_mixed_precision,
         axis_name=axis_name, autocast=autocast,
-        reduce_dtype=reduce_dtype)
+        reduce_dtype=reduce_dtype, matmul_dtype=matmul_dtype)
 
     @kernel.wraps_adding_scaler_state(fn)
     def value_and_grad_fn(*args, scaler_state=kernel.REQUIRED, **kwargs):

@@ -701,6 +701,7 @@ def find_nonfinite(
     axis_name: Any = None,
     reduce_dtype: Any = None,
     mapped: Callable[[Callable], Callable] | None = None,
+    matmul_dtype: Any = None,
 ) -> Callable[..., NonfiniteReport]:
     """Finds the operations that overflow in half precision, forward and backward.
 
@@ -758,6 +759,10 @@ def find_nonfinite(
             returns one float32 array of two values, the same on every member
             of the axis (the loss and its float32 shadow's, averaged over
             ``axis_name``): ``out_specs=P()`` under ``shard_map``.
+        matmul_dtype: with ``autocast=True``, a float8 dtype for the matrix
+            products, as in :func:`jaxmp.mp_value_and_grad`. The float32
+            shadow of a float8 product is the exact float32 product, so a
+            product whose float8 result goes wrong is reported at its line.
 
     Returns:
         A function ``(*args, scaler_state=None, **kwargs) -> NonfiniteReport``.
@@ -797,7 +802,7 @@ def find_nonfinite(
     step = kernel.Step.create(
         loss_fn, api="jaxmp.find_nonfinite", argnums=argnums, no_cast_argnums=no_cast_argnums,
         has_aux=has_aux, compute_dtype=compute_dtype, use_mixed_precision=True,
-        axis_name=axis_name, autocast=autocast, reduce_dtype=reduce_dtype)
+        axis_name=axis_name, autocast=autocast, reduce_dtype=reduce_dtype, matmul_dtype=matmul_dtype)
     # Not the training step's trace-time check of the half-precision share
     # (MostlyFloat32Warning): a diagnosis is not a training step.
     step.traced["census"] = True

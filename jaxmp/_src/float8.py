@@ -1,0 +1,335 @@
+"""Matrix products in float8 with per-tensor current scaling, for ``autocast``.
+
+``jaxmp.autocast(fn, compute_dtype, matmul_dtype=jnp.float8_e4m3fn)`` replaces
+every matrix product of ``fn`` (``dot_general``, and in the forward pass
+``conv_general_dilated``) by a *scaled* float8 product, built here:
+
+1. each operand gets a scale from its current absolute maximum (``amax``),
+   a power of two chosen so that ``amax * scale`` is as large as possible but
+   at most the float8 dtype's largest value (448 for ``float8_e4m3fn``). A
+   tensor of magnitude 1e4 and one of magnitude 1e-5 are then quantized with
+   the same relative precision. A power of two keeps the multiplication (and
+   its undoing) exact. An ``amax`` of zero, or a non-finite one, gets scale 1:
+   an inf or NaN in the operand then stays non-finite in the result, so the
+   loss scaler still sees it;
+2. the operands, multiplied by their scales, are cast to the float8 dtype
+   and multiplied with ``preferred_element_type=float32`` (float32
+   accumulation); the float32 result is divided by both scales and cast to
+   the compute dtype;
+3. the whole product is a ``jax.custom_vjp``: the backward pass keeps the
+   float8 operands (one byte per element) and takes the incoming cotangent in
+   ``float8_e5m2`` (two more exponent bits than e4m3, for the wider range of
+   gradients), scaled the same way; both backward products of a
+   ``dot_general`` (with respect to each operand) are float8 products
+   accumulating in float32.
+
+No state is carried between steps (no amax history): the scale of every
+tensor is computed from the tensor itself, in the step that uses it, as
+torchao's "tensorwise" recipe does. Which products stay in the compute
+dtype is decided by a :class:`jaxmp.Float8Rules` (small products, named
+scopes, a predicate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Iterable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import source_info_util
+
+from jaxmp._src import casting
+
+#: The float8 dtypes accepted as ``matmul_dtype``.
+FLOAT8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+#: The dtype of cotangents in the backward products.
+GRAD_DTYPE = jnp.dtype(jnp.float8_e5m2)
+#: The primitives :func:`jaxmp.autocast` runs in float8 by default.
+FLOAT8_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def is_float8_dtype(dtype: Any) -> bool:
+    """Whether ``dtype`` is a float8 dtype (any of JAX's, ``fnuz`` variants included)."""
+    return casting.is_float_dtype(dtype) and np.dtype(dtype).itemsize == 1
+
+
+def check_matmul_dtype(matmul_dtype: Any, compute_dtype: Any) -> np.dtype | None:
+    """``matmul_dtype`` as a float8 dtype, or ``None`` for products in ``compute_dtype``.
+
+    Raises a ``ValueError`` naming the accepted dtypes for anything else.
+    """
+    if matmul_dtype is None:
+        return None
+    try:
+        dtype = jnp.dtype(matmul_dtype)
+    except TypeError as e:
+        raise ValueError(f"matmul_dtype must be a dtype, got {matmul_dtype!r}.") from e
+    if dtype == np.dtype(compute_dtype):
+        return None
+    if dtype in FLOAT8_DTYPES:
+        return dtype
+    hint = ""
+    if casting.is_float_dtype(dtype) and dtype.itemsize > 1:
+        hint = (f" To run matrix products in {dtype.name}, set compute_dtype={dtype.name} "
+                "and leave matmul_dtype=None.")
+    elif is_float8_dtype(dtype):
+        hint = (" Other float8 formats (fnuz, e4m3b11...) are not supported: their range and "
+                "the GPU kernels that take them differ.")
+    raise ValueError(
+        "matmul_dtype must be None (matrix products in compute_dtype) or a float8 dtype: "
+        f"jnp.float8_e4m3fn (recommended) or jnp.float8_e5m2; got {dtype.name}." + hint)
+
+
+class Product(NamedTuple):
+    """What :class:`jaxmp.Float8Rules` sees of one matrix product.
+
+    Attributes:
+        primitive: ``"dot_general"`` or ``"conv_general_dilated"``.
+        lhs_shape: the shape of the left operand.
+        rhs_shape: the shape of the right operand (the kernel of a convolution).
+        flops: ``2 *`` multiply-adds, as :func:`jaxmp.matmul_flops` counts them.
+        scope: the ``jax.named_scope`` names around the product, outermost
+            first, joined by ``/`` (``""`` when there are none).
+    """
+
+    primitive: str
+    lhs_shape: tuple
+    rhs_shape: tuple
+    flops: int
+    scope: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Rules:
+    """Which matrix products :func:`jaxmp.autocast` runs in float8 (``matmul_dtype``).
+
+    A product runs in float8 unless one of these says to keep it in the
+    compute dtype:
+
+    Attributes:
+        primitives: the primitives run in float8 (default ``dot_general`` and
+            ``conv_general_dilated``; drop the latter to keep convolutions in
+            the compute dtype).
+        min_flops: products with fewer FLOPs (``2 *`` multiply-adds) stay in
+            the compute dtype: for small products the scaling costs more than
+            float8 saves (default 0: every product in float8).
+        keep_scopes: names of ``jax.named_scope`` scopes whose products stay
+            in the compute dtype, e.g. ``{"head"}`` for an output projection
+            written under ``with jax.named_scope("head"):``. A name matches
+            one scope of the product's scope path, or a ``/``-separated run
+            of them (``"decoder/head"``).
+        keep_if: a predicate on a ``Product`` (``primitive``,
+            ``lhs_shape``, ``rhs_shape``, ``flops``, ``scope``); products for
+            which it returns ``True`` stay in the compute dtype.
+
+    Examples:
+        >>> import jaxmp
+        >>> jaxmp.Float8Rules()
+        Float8Rules()
+        >>> rules = jaxmp.Float8Rules(min_flops=2**20, keep_scopes={"head"})
+        >>> rules
+        Float8Rules(min_flops=1048576, keep_scopes={'head'})
+        >>> "head" in rules.keep_scopes
+        True
+    """
+
+    primitives: frozenset = FLOAT8_PRIMITIVES
+    min_flops: int = 0
+    keep_scopes: frozenset = frozenset()
+    keep_if: Callable[[Product], bool] | None = None
+
+    def __post_init__(self):
+        for field in ("primitives", "keep_scopes"):
+            names = getattr(self, field)
+            if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+                raise TypeError(f"Float8Rules.{field} must be a collection of strings, e.g. "
+                                f"{{'head'}}; got {names!r}.")
+            object.__setattr__(self, field, frozenset(names))
+        unknown = sorted(self.primitives - FLOAT8_PRIMITIVES)
+        if unknown:
+            raise ValueError(f"Float8Rules.primitives: only {sorted(FLOAT8_PRIMITIVES)} can run "
+                             f"in float8; got {unknown}.")
+        if (not isinstance(self.min_flops, (int, np.integer)) or isinstance(self.min_flops, bool)
+                or self.min_flops < 0):
+            raise TypeError(f"Float8Rules.min_flops must be an int >= 0, got {self.min_flops!r}.")
+        if self.keep_if is not None and not callable(self.keep_if):
+            raise TypeError("Float8Rules.keep_if must be a function of a Product returning a "
+                            f"bool, or None; got {type(self.keep_if).__name__}.")
+
+    def keeps(self, product: Product) -> bool:
+        """Whether ``product`` stays in the compute dtype."""
+        if product.primitive not in self.primitives or product.flops < self.min_flops:
+            return True
+        path = "/" + product.scope + "/"
+        if any("/" + name.strip("/") + "/" in path for name in self.keep_scopes):
+            return True
+        return bool(self.keep_if(product)) if self.keep_if is not None else False
+
+    def __repr__(self) -> str:
+        parts = []
+        if self.primitives != FLOAT8_PRIMITIVES:
+            parts.append(f"primitives={set(sorted(self.primitives))!r}")
+        if self.min_flops:
+            parts.append(f"min_flops={self.min_flops}")
+        if self.keep_scopes:
+            parts.append(f"keep_scopes={set(sorted(self.keep_scopes))!r}")
+        if self.keep_if is not None:
+            parts.append(f"keep_if={getattr(self.keep_if, '__name__', self.keep_if)!r}")
+        return f"Float8Rules({', '.join(parts)})"
+
+
+def product_of(eqn, scope: str) -> Product:
+    """The :class:`Product` of a ``dot_general`` or ``conv_general_dilated`` equation."""
+    lhs, rhs = (tuple(v.aval.shape) for v in eqn.invars[:2])
+    out = tuple(eqn.outvars[0].aval.shape)
+    if eqn.primitive.name == "dot_general":
+        (contract, _), _ = eqn.params["dimension_numbers"]
+        macs = math.prod(out) * math.prod(lhs[i] for i in contract)
+    else:
+        out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+        macs = math.prod(out) * math.prod(rhs) // max(out_features, 1)
+    return Product(eqn.primitive.name, lhs, rhs, 2 * macs, scope)
+
+
+# --- Scaling -----------------------------------------------------------------------------
+
+
+def scale_for(amax: jax.Array, dtype: Any) -> jax.Array:
+    """The power of two ``s`` (float32) for which ``amax * s`` is largest but ``<= max(dtype)``.
+
+    1 when ``amax`` is zero or not finite.
+    """
+    max_mantissa, max_exponent = np.frexp(float(jnp.finfo(dtype).max))
+    mantissa, exponent = jnp.frexp(amax)
+    k = max_exponent - exponent - (mantissa > max_mantissa).astype(jnp.int32)
+    scale = jnp.ldexp(jnp.float32(1.0), jnp.clip(k, -126, 127).astype(jnp.int32))
+    return jnp.where(jnp.isfinite(amax) & (amax > 0), scale, jnp.float32(1.0))
+
+
+def quantize(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """``(x * s)`` in the float8 ``dtype`` and ``1 / s`` (float32), with ``s`` from ``x``'s amax."""
+    amax = jnp.max(jnp.abs(x), initial=0).astype(jnp.float32)
+    scale = scale_for(amax, dtype)
+    return (x.astype(jnp.float32) * scale).astype(dtype), (1.0 / scale)
+
+
+def dequantize(y: jax.Array, inverse_scales: Iterable[jax.Array], dtype: Any) -> jax.Array:
+    """A float32 product ``y`` of scaled operands, unscaled and cast to ``dtype``."""
+    y = y.astype(jnp.float32)
+    for inv in inverse_scales:
+        y = y * inv  # one at a time: their product could leave float32's range
+    return y.astype(dtype)
+
+
+# --- The scaled products ---------------------------------------------------------------------
+
+
+def _dot(a, b, dimension_numbers):
+    return lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32)
+
+
+def _dot_transposes(ct, a, b, dimension_numbers):
+    """The two backward products of ``dot_general(a, b)`` for the cotangent ``ct``, in float32.
+
+    ``ct`` has the layout of the product: batch dimensions, then ``a``'s free
+    dimensions, then ``b``'s.
+    """
+    (ac, bc), (ab, bb) = dimension_numbers
+    a_free = [d for d in range(a.ndim) if d not in ac and d not in ab]
+    b_free = [d for d in range(b.ndim) if d not in bc and d not in bb]
+    nb = len(ab)
+    ct_batch = list(range(nb))
+    ct_a = list(range(nb, nb + len(a_free)))
+    ct_b = list(range(nb + len(a_free), ct.ndim))
+    # d/da: contract ct's b-free dimensions with b's free dimensions. The result
+    # has a's batch, then a's free dimensions, then b's contracting ones in b's
+    # order, each standing for the contracting dimension of a it pairs with.
+    da = _dot(ct, b, ((ct_b, b_free), (ct_batch, list(bb))))
+    order = list(np.argsort(bc))
+    da_dims = list(ab) + a_free + [ac[i] for i in order]
+    da = lax.transpose(da, tuple(int(i) for i in np.argsort(da_dims)))
+    # d/db: the same with the roles exchanged (a as the left operand keeps
+    # b's free dimensions last, as in the forward product).
+    db = _dot(a, ct, ((a_free, ct_a), (list(ab), ct_batch)))
+    order = list(np.argsort(ac))
+    db_dims = list(bb) + [bc[i] for i in order] + b_free
+    db = lax.transpose(db, tuple(int(i) for i in np.argsort(db_dims)))
+    return da, db
+
+
+def _scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype):
+    """``dot_general(a, b)`` in float8 with per-tensor scaling; float8 backward (see module)."""
+
+    @jax.custom_vjp
+    def product(a, b):
+        return forward(a, b)[0]
+
+    def forward(a, b):
+        a8, ia = quantize(a, matmul_dtype)
+        b8, ib = quantize(b, matmul_dtype)
+        out = dequantize(_dot(a8, b8, dimension_numbers), (ia, ib), out_dtype)
+        return out, (a8, ia, b8, ib)
+
+    def backward(res, ct):
+        a8, ia, b8, ib = res
+        ct8, ic = quantize(ct, GRAD_DTYPE)
+        da, db = _dot_transposes(ct8, a8, b8, dimension_numbers)
+        return dequantize(da, (ic, ib), a.dtype), dequantize(db, (ic, ia), b.dtype)
+
+    product.defvjp(forward, backward)
+    return product(a, b)
+
+
+def _scaled_conv(a, b, *, params, matmul_dtype, out_dtype, compute_dtype):
+    """A convolution in float8 forward; its backward products run in ``compute_dtype``.
+
+    The transposes of a convolution are convolutions too, but writing them
+    for float8 operands means re-deriving JAX's padding and group rules;
+    here the backward pass differentiates the convolution of the
+    dequantized (float8-valued) operands in the compute dtype instead. The
+    residuals are still the float8 operands.
+    """
+    params = dict(params, preferred_element_type=jnp.float32)
+
+    def conv(x, y):
+        return lax.conv_general_dilated_p.bind(x, y, **params)
+
+    @jax.custom_vjp
+    def product(a, b):
+        return forward(a, b)[0]
+
+    def forward(a, b):
+        a8, ia = quantize(a, matmul_dtype)
+        b8, ib = quantize(b, matmul_dtype)
+        return dequantize(conv(a8, b8), (ia, ib), out_dtype), (a8, ia, b8, ib)
+
+    def backward(res, ct):
+        a8, ia, b8, ib = res
+        x, y = dequantize(a8, (ia,), compute_dtype), dequantize(b8, (ib,), compute_dtype)
+        _, vjp = jax.vjp(lambda x, y: conv(x, y).astype(ct.dtype), x, y)
+        da, db = vjp(ct)
+        return da.astype(a.dtype), db.astype(b.dtype)
+
+    product.defvjp(forward, backward)
+    return product(a, b)
+
+
+def scaled_product(eqn, invals, compute_dtype: np.dtype, matmul_dtype: np.dtype) -> jax.Array:
+    """The float8 replacement of a ``dot_general`` or ``conv_general_dilated`` equation.
+
+    The operands keep the dtypes they have (a float32 weight is quantized
+    from float32); the result is in ``compute_dtype``. The new equations
+    carry the source location of ``eqn`` (the user's line).
+    """
+    a, b = invals
+    with source_info_util.user_context(eqn.source_info.traceback,
+                                       name_stack=source_info_util.current_name_stack()):
+        if eqn.primitive.name == "dot_general":
+            return _scaled_dot(a, b, dimension_numbers=eqn.params["dimension_numbers"],
+                               matmul_dtype=matmul_dtype, out_dtype=compute_dtype)
+        return _scaled_conv(a, b, params=dict(eqn.params), matmul_dtype=matmul_dtype,
+                            out_dtype=compute_dtype, compute_dtype=compute_dtype)

@@ -1,0 +1,471 @@
+"""Tests of float8 matrix products through jaxmp.autocast (matmul_dtype), against float32."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxmp
+from jaxmp._src import float8
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+BF16 = jnp.bfloat16
+
+
+def _operand_dtypes(fn, *args, prim="dot_general"):
+    """``(lhs dtype, rhs dtype)`` of every ``prim`` equation in the jaxpr of ``fn``, nested included."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == prim:
+                found.append(tuple(str(v.aval.dtype) for v in eqn.invars[:2]))
+            for p in eqn.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+                        walk(sub.jaxpr)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _operands(magnitude, seed=0, shape=(32, 128), out=64):
+    kw, kx = jax.random.split(jax.random.key(seed))
+    w = jax.random.normal(kw, (shape[1], out)) / np.sqrt(shape[1])
+    x = magnitude * jax.random.normal(kx, shape)
+    return w, x
+
+
+def _matmul(w, x):
+    return x @ w
+
+
+def _f8(fn, compute_dtype=BF16, **kw):
+    return jaxmp.autocast(fn, compute_dtype, matmul_dtype=E4M3, **kw)
+
+
+# --- Scaling -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("amax", [1e-30, 3e-5, 1.0, 448.0, 449.0, 7e4, 3e38])
+def test_scale_is_the_largest_power_of_two_that_fits(dtype, amax):
+    top = float(jnp.finfo(dtype).max)
+    scale = float(float8.scale_for(jnp.float32(amax), dtype))
+    assert np.log2(scale) == int(np.log2(scale))  # a power of two: scaling is exact
+    assert amax * scale <= top < 2 * amax * scale
+
+
+@pytest.mark.parametrize("amax", [0.0, np.inf, np.nan])
+def test_scale_of_zero_or_nonfinite_amax_is_one(amax):
+    assert float(float8.scale_for(jnp.float32(amax), E4M3)) == 1.0
+
+
+# --- Accuracy across magnitudes ---------------------------------------------------------------
+
+
+def test_relative_error_is_the_same_at_every_magnitude():
+    errors = {}
+    for magnitude in (1e4, 1.0, 1e-5):
+        w, x = _operands(magnitude)
+        out = _f8(_matmul, jnp.float32)(w, x)
+        errors[magnitude] = _rel(out, _matmul(w, x))
+    # e4m3 keeps 3 mantissa bits: a few percent, and the same at every magnitude.
+    assert max(errors.values()) < 0.05, errors
+    assert max(errors.values()) < 1.3 * min(errors.values()), errors
+
+
+def test_without_scaling_small_and_large_tensors_are_lost():
+    # What the per-tensor scale prevents: a plain cast flushes 1e-5 to zero
+    # and turns 1e4 into NaN (e4m3fn has no inf; its largest value is 448).
+    w, x = _operands(1e-5)
+    assert not np.any(np.asarray(x.astype(E4M3), np.float32))
+    w, x = _operands(1e4)
+    assert np.isnan(np.asarray(x.astype(E4M3), np.float32)).any()
+
+
+@pytest.mark.parametrize("magnitude", [1e4, 1.0, 1e-5])
+def test_gradients_are_accurate_at_every_magnitude(magnitude):
+    w, x = _operands(magnitude)
+
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(_matmul(w, x) / magnitude) * jnp.arange(64.0) / 64)
+
+    ref = jax.grad(loss, argnums=(0, 1))(w, x)
+    got = jax.grad(_f8(loss, jnp.float32), argnums=(0, 1))(w, x)
+    for g, r in zip(got, ref):
+        assert g.dtype == r.dtype
+        assert _rel(g, r) < 0.1  # e5m2 cotangents: 2 mantissa bits
+
+
+def test_nonfinite_operands_and_cotangents_stay_nonfinite():
+    w, x = _operands(1.0)
+    out = _f8(_matmul)(w, x.at[0, 0].set(jnp.inf))
+    assert not np.isfinite(np.asarray(out[0], np.float32)).any()
+    assert np.isfinite(np.asarray(out[1:], np.float32)).all()
+    _, vjp = jax.vjp(_f8(_matmul), w, x)
+    ct = jnp.ones((32, 64)).at[3, 4].set(jnp.inf)
+    dw, dx = vjp(ct)
+    assert not np.isfinite(dw).all() and not np.isfinite(dx).all()  # the scaler sees it
+
+
+def test_zero_operand_gives_zero_product():
+    w, x = _operands(1.0)
+    out = _f8(_matmul)(w, jnp.zeros_like(x))
+    assert not np.any(np.asarray(out, np.float32))
+
+
+# --- Which dtypes the program runs in ----------------------------------------------------------
+
+
+def test_jaxpr_has_float8_operands_forward_and_e5m2_cotangents_backward():
+    w, x = _operands(1.0)
+    fwd = _operand_dtypes(_f8(_matmul), w, x)
+    assert fwd == [("float8_e4m3fn", "float8_e4m3fn")]
+
+    def loss(w, x):
+        return jnp.sum(_matmul(w, x) ** 2)
+
+    both = _operand_dtypes(jax.grad(_f8(loss), argnums=(0, 1)), w, x)
+    assert ("float8_e4m3fn", "float8_e4m3fn") in both
+    backward = [d for d in both if "float8_e5m2" in d]
+    assert len(backward) == 2 and all("float8_e4m3fn" in d for d in backward)
+    assert len(both) == 3
+
+
+def test_result_is_in_compute_dtype_and_outputs_keep_their_dtypes():
+    w, x = _operands(1.0)
+
+    def two(w, x):
+        h = _matmul(w, x)
+        return h, jnp.sum(h)
+
+    inner = jax.make_jaxpr(_f8(lambda w, x: jnp.tanh(_matmul(w, x))))(w, x)
+    assert "bf16[32,64] = convert_element_type" in str(inner)
+    h, s = _f8(two)(w, x)
+    assert h.dtype == jnp.float32 and s.dtype == jnp.float32
+
+
+def test_matmul_flops_count_float8_products():
+    w, x = _operands(1.0)
+    loss = _f8(lambda w, x: jnp.sum(_matmul(w, x) ** 2))
+    fwd = jaxmp.matmul_flops(loss, w, x)
+    assert fwd == {"float8_e4m3fn": 2 * 32 * 128 * 64}
+    both = jaxmp.matmul_flops(jax.grad(loss, argnums=(0, 1)), w, x)
+    assert both == {"float8_e4m3fn": 2 * 32 * 128 * 64,
+                    "float8_e4m3fn+float8_e5m2": 2 * 2 * 32 * 128 * 64}
+    assert jaxmp.half_matmul_flop_share(jax.grad(loss), w, x) == 1.0
+    assert jaxmp.float8_matmul_flop_share(jax.grad(loss), w, x) == 1.0
+    plain = jaxmp.autocast(lambda w, x: jnp.sum(_matmul(w, x) ** 2), BF16)
+    assert jaxmp.float8_matmul_flop_share(jax.grad(plain), w, x) == 0.0
+    assert jaxmp.half_matmul_flop_share(jax.grad(plain), w, x) == 1.0
+
+
+# --- A tiny MLP ---------------------------------------------------------------------------------
+
+
+def _mlp_params(seed=0, sizes=(32, 128, 128, 10)):
+    keys = jax.random.split(jax.random.key(seed), len(sizes))
+    return [{"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros(b)}
+            for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
+
+
+def _mlp_loss(params, x, y):
+    for layer in params[:-1]:
+        x = jax.nn.gelu(x @ layer["w"] + layer["b"])
+    logits = x @ params[-1]["w"] + params[-1]["b"]
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=-1))
+
+
+def _mlp_batch(n=64, seed=1):
+    kx, ky = jax.random.split(jax.random.key(seed))
+    return jax.random.normal(kx, (n, 32)), jax.random.randint(ky, (n,), 0, 10)
+
+
+def test_tiny_mlp_gradients_close_to_float32():
+    params, (x, y) = _mlp_params(), _mlp_batch()
+    ref_loss, ref = jax.value_and_grad(_mlp_loss)(params, x, y)
+    loss, got = jax.jit(jax.value_and_grad(_f8(_mlp_loss)))(params, x, y)
+    np.testing.assert_allclose(loss, ref_loss, rtol=0.02)
+    for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        assert g.dtype == jnp.float32
+        assert _rel(g, r) < 0.15
+    # bfloat16 autocast for scale: float8 is within a few times its error.
+    bf16 = jax.jit(jax.grad(jaxmp.autocast(_mlp_loss, BF16)))(params, x, y)
+    assert _rel(jax.tree_util.tree_leaves(bf16)[1], jax.tree_util.tree_leaves(ref)[1]) < 0.02
+
+
+def test_mp_value_and_grad_and_accumulate_reach_float8():
+    params, (x, y) = _mlp_params(), _mlp_batch()
+    ref_loss, ref = jax.value_and_grad(_mlp_loss)(params, x, y)
+    opts = dict(compute_dtype=BF16, autocast=True, matmul_dtype=E4M3)
+    step = jaxmp.mp_value_and_grad(_mlp_loss, **opts)
+    acc = jaxmp.accumulate_value_and_grad(_mlp_loss, 4, **opts)
+    for fn in (step, acc):
+        state = jaxmp.noop_scaler()
+        loss, grads, _, finite = jax.jit(fn)(params, x, y, scaler_state=state)
+        assert bool(finite)
+        np.testing.assert_allclose(loss, ref_loss, rtol=0.02)
+        for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref)):
+            assert _rel(g, r) < 0.15
+        dtypes = _operand_dtypes(functools.partial(fn, scaler_state=state), params, x, y)
+        assert dtypes and all(d[0].startswith("float8") and d[1].startswith("float8")
+                              for d in dtypes)
+        assert any("float8_e5m2" in d for d in dtypes)
+
+
+def test_float16_with_loss_scaling():
+    params, (x, y) = _mlp_params(), _mlp_batch()
+    ref_loss, ref = jax.value_and_grad(_mlp_loss)(params, x, y)
+    step = jaxmp.mp_value_and_grad(_mlp_loss, compute_dtype=jnp.float16, autocast=True,
+                                   matmul_dtype=E4M3)
+    loss, grads, _, finite = jax.jit(step)(params, x, y, scaler_state=jaxmp.init_scaler())
+    assert bool(finite)
+    np.testing.assert_allclose(loss, ref_loss, rtol=0.02)
+    assert _rel(grads[0]["w"], ref[0]["w"]) < 0.12
+
+
+def test_float8_products_written_in_fn_are_kept_by_an_outer_autocast():
+    # E.g. a loss already under autocast(matmul_dtype=...) given to
+    # mp_value_and_grad(autocast=True): the outer autocast must not widen it.
+    w, x = _operands(1.0)
+    loss = _f8(lambda w, x: jnp.sum(_matmul(w, x) ** 2),
+               float8_rules=jaxmp.Float8Rules(min_flops=1))
+    outer = jaxmp.autocast(loss, BF16)
+    assert _operand_dtypes(outer, w, x) == [("float8_e4m3fn", "float8_e4m3fn")]
+    assert any("float8_e5m2" in d for d in _operand_dtypes(jax.grad(outer), w, x))
+    step = jaxmp.mp_value_and_grad(loss, compute_dtype=BF16, autocast=True)
+    value, grads, _, _ = step(w, x, scaler_state=jaxmp.noop_scaler())
+    ref_value, ref = jax.value_and_grad(lambda w, x: jnp.sum(_matmul(w, x) ** 2))(w, x)
+    np.testing.assert_allclose(value, ref_value, rtol=0.05)
+    assert _rel(grads, ref) < 0.1
+
+
+# --- Control flow and transformations ---------------------------------------------------------------
+
+
+def _check(fn, args, rtol=0.06, argnums=0):
+    """``fn`` under float8 autocast: close to float32 in value and gradient, float8 in its jaxpr."""
+    np.testing.assert_allclose(_f8(fn, jnp.float32)(*args), fn(*args), rtol=rtol)
+    got = jax.grad(_f8(fn, jnp.float32), argnums=argnums)(*args)
+    ref = jax.grad(fn, argnums=argnums)(*args)
+    assert _rel(got, ref) < 0.1
+    dtypes = _operand_dtypes(jax.grad(_f8(fn), argnums=argnums), *args)
+    assert dtypes and all(d[0].startswith("float8") for d in dtypes), dtypes
+    assert any("float8_e5m2" in d for d in dtypes)
+
+
+def test_scan():
+    w, x = _operands(1.0, shape=(16, 64), out=64)
+
+    def fn(w, x):
+        def body(h, _):
+            return jnp.tanh(h @ w), None
+        return jnp.sum(jax.lax.scan(body, x, None, length=3)[0] ** 2)
+
+    _check(fn, (w, x))
+
+
+def test_checkpoint():
+    w, x = _operands(1.0)
+    fn = lambda w, x: jnp.sum(jax.checkpoint(lambda w: jnp.tanh(_matmul(w, x)))(w) ** 2)
+    _check(fn, (w, x))
+
+
+def test_cond():
+    w, x = _operands(1.0)
+
+    def fn(w, x):
+        h = jax.lax.cond(jnp.sum(x) > -1e9, lambda: jnp.tanh(x @ w), lambda: x[:, :64])
+        return jnp.sum(h ** 2)
+
+    _check(fn, (w, x))
+
+
+def test_custom_vjp_keeps_its_rule_and_runs_float8_inside():
+    @jax.custom_vjp
+    def double_grad(h):
+        return h
+
+    double_grad.defvjp(lambda h: (h, None), lambda _, g: (2 * g,))
+    w, x = _operands(1.0)
+    fn = lambda w, x: jnp.sum(double_grad(jnp.tanh(_matmul(w, x))) ** 2)
+    np.testing.assert_allclose(_f8(fn, jnp.float32)(w, x), fn(w, x), rtol=0.05)
+    got, ref = jax.grad(_f8(fn, jnp.float32))(w, x), jax.grad(fn)(w, x)
+    assert _rel(got, ref) < 0.1  # the factor 2 of the rule is kept
+    assert ("float8_e4m3fn", "float8_e4m3fn") in _operand_dtypes(_f8(fn), w, x)
+
+
+def test_vmap():
+    w, x = _operands(1.0)
+    xs = jnp.stack([x, 1e-4 * x])  # very different magnitudes per example
+    fn = lambda w, x: jnp.sum(_matmul(w, x) ** 2)
+    got = jax.vmap(_f8(fn, jnp.float32), in_axes=(None, 0))(w, xs)
+    np.testing.assert_allclose(got, jax.vmap(fn, in_axes=(None, 0))(w, xs), rtol=0.05)
+    g = jax.vmap(jax.grad(_f8(fn, jnp.float32)), in_axes=(None, 0))(w, xs)
+    r = jax.vmap(jax.grad(fn), in_axes=(None, 0))(w, xs)
+    assert _rel(g, r) < 0.1
+
+
+def test_shard_map():
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices")
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    w, x = _operands(1.0)
+    fn = lambda w, x: jnp.sum(jnp.tanh(_matmul(w, x)) ** 2)
+
+    def body(w, x):
+        loss, g = jax.value_and_grad(_f8(fn, jnp.float32))(w, x)
+        # The gradient of the replicated w is already summed over devices by shard_map.
+        return jax.lax.psum(loss, "data"), g
+
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+    loss, g = run(w, jax.device_put(x, NamedSharding(mesh, P("data"))))
+    ref_loss, ref = jax.value_and_grad(fn)(w, x)
+    np.testing.assert_allclose(loss, ref_loss, rtol=0.05)
+    assert _rel(g, ref) < 0.1
+
+
+def test_convolution_forward_in_float8():
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = 1e3 * jax.random.normal(kx, (2, 8, 8, 4))
+    w = jax.random.normal(kw, (3, 3, 4, 8)) / 6
+
+    def fn(w, x):
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jnp.sum(jnp.tanh(y / 1e3) ** 2)
+
+    assert _operand_dtypes(_f8(fn), w, x, prim="conv_general_dilated") == [
+        ("float8_e4m3fn", "float8_e4m3fn")]
+    np.testing.assert_allclose(jax.jit(_f8(fn, jnp.float32))(w, x), fn(w, x), rtol=0.05)
+    got, ref = jax.jit(jax.grad(_f8(fn, jnp.float32)))(w, x), jax.grad(fn)(w, x)
+    assert _rel(got, ref) < 0.1
+    no_conv = jaxmp.Float8Rules(primitives={"dot_general"})
+    assert _operand_dtypes(_f8(fn, float8_rules=no_conv), w, x, prim="conv_general_dilated") == [
+        ("bfloat16", "bfloat16")]
+
+
+# --- Rules: which products stay in compute_dtype ---------------------------------------------------
+
+
+def _two_products(w, v, x):
+    h = jnp.tanh(x @ w)  # 2 * 32 * 128 * 64 FLOPs
+    with jax.named_scope("head"):
+        return jnp.sum(h[:, :4] @ v)  # 2 * 32 * 4 * 3 FLOPs
+
+
+def _two_args():
+    w, x = _operands(1.0)
+    return w, jnp.ones((4, 3)), x
+
+
+def test_min_flops_keeps_small_products_in_compute_dtype():
+    rules = jaxmp.Float8Rules(min_flops=10_000)
+    dtypes = _operand_dtypes(_f8(_two_products, float8_rules=rules), *_two_args())
+    assert dtypes == [("float8_e4m3fn", "float8_e4m3fn"), ("bfloat16", "bfloat16")]
+
+
+@pytest.mark.parametrize("scope", ["head", "outer/head"])
+def test_named_scope_keeps_a_layer_in_compute_dtype(scope):
+    rules = jaxmp.Float8Rules(keep_scopes={scope})
+
+    def outer(w, v, x):
+        with jax.named_scope("outer"):
+            return jax.jit(_two_products)(w, v, x)  # the scope is seen through a nested jit
+
+    dtypes = _operand_dtypes(_f8(outer, float8_rules=rules), *_two_args())
+    assert dtypes == [("float8_e4m3fn", "float8_e4m3fn"), ("bfloat16", "bfloat16")]
+    other = jaxmp.Float8Rules(keep_scopes={"hea"})
+    assert all(d[0] == "float8_e4m3fn"
+               for d in _operand_dtypes(_f8(outer, float8_rules=other), *_two_args()))
+
+
+def test_predicate_sees_the_product():
+    seen = []
+
+    def keep_if(product):
+        seen.append(product)
+        return product.rhs_shape == (4, 3)
+
+    rules = jaxmp.Float8Rules(keep_if=keep_if)
+    dtypes = _operand_dtypes(_f8(_two_products, float8_rules=rules), *_two_args())
+    assert dtypes == [("float8_e4m3fn", "float8_e4m3fn"), ("bfloat16", "bfloat16")]
+    assert seen[0].primitive == "dot_general" and seen[0].flops == 2 * 32 * 128 * 64
+    assert seen[1].scope == "head" and seen[1].lhs_shape == (32, 4)
+
+
+# --- find_nonfinite ---------------------------------------------------------------------------------
+
+
+def test_find_nonfinite_with_float8_products():
+    params, (x, y) = _mlp_params(sizes=(32, 64, 10)), _mlp_batch(16)  # eager: keep it small
+    opts = dict(autocast=True, matmul_dtype=E4M3)
+    report = jaxmp.find_nonfinite(_mlp_loss, **opts)(params, x, y)
+    assert not report and not report.findings  # float8 rounding is not reported as a problem
+
+
+
+def _overflowing_product(w, x):
+    return jnp.mean(jnp.tanh((x @ w) / 1e4))  # x @ w is about 1.3e5: beyond float16's 65504
+
+
+def test_find_nonfinite_names_the_line_of_an_overflowing_float8_product():
+    w = jnp.ones((128, 64))
+    x = 1e3 * jax.random.uniform(jax.random.key(0), (16, 128), minval=0.5, maxval=1.5)
+    report = jaxmp.find_nonfinite(_overflowing_product, autocast=True, matmul_dtype=E4M3)(w, x)
+    assert report
+    first = report.findings[0]
+    assert first.phase == "forward" and first.dtype == "float16"
+    assert "test_float8.py" in first.where and "_overflowing_product" in first.where
+    assert first.float32_max > 1e5 and first.float32_max < 2e5  # the exact product, in float32
+
+
+# --- Errors ---------------------------------------------------------------------------------------
+
+
+def test_bad_matmul_dtype():
+    with pytest.raises(ValueError, match="set compute_dtype=float16"):
+        jaxmp.autocast(_matmul, BF16, matmul_dtype=jnp.float16)
+    with pytest.raises(ValueError, match="float8_e4m3fn.*got int8"):
+        jaxmp.autocast(_matmul, BF16, matmul_dtype=jnp.int8)
+    with pytest.raises(ValueError, match="fnuz"):
+        jaxmp.autocast(_matmul, BF16, matmul_dtype=jnp.float8_e4m3fnuz)
+    with pytest.raises(ValueError, match="must be a dtype"):
+        jaxmp.autocast(_matmul, BF16, matmul_dtype="fp8")
+    with pytest.raises(ValueError, match="needs autocast=True"):
+        jaxmp.mp_value_and_grad(_mlp_loss, compute_dtype=BF16, matmul_dtype=E4M3)
+    # The compute dtype itself means: no float8.
+    w, x = _operands(1.0)
+    assert _operand_dtypes(jaxmp.autocast(_matmul, BF16, matmul_dtype=BF16), w, x) == [
+        ("bfloat16", "bfloat16")]
+
+
+def test_bad_float8_rules():
+    with pytest.raises(TypeError, match="collection of strings"):
+        jaxmp.Float8Rules(keep_scopes="head")
+    with pytest.raises(ValueError, match="only"):
+        jaxmp.Float8Rules(primitives={"dot_general", "mul"})
+    with pytest.raises(TypeError, match="min_flops"):
+        jaxmp.Float8Rules(min_flops=-1)
+    with pytest.raises(TypeError, match="keep_if"):
+        jaxmp.Float8Rules(keep_if="head")
+    with pytest.raises(TypeError, match="float8_rules must be"):
+        jaxmp.autocast(_matmul, BF16, matmul_dtype=E4M3, float8_rules={"min_flops": 1})
+
+
+def test_rules_repr():
+    assert repr(jaxmp.Float8Rules()) == "Float8Rules()"
+    assert repr(jaxmp.Float8Rules(min_flops=8, keep_scopes={"head"})) == (
+        "Float8Rules(min_flops=8, keep_scopes={'head'})")
