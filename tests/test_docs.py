@@ -30,6 +30,7 @@ PAGES = {
     "multi_device.md": ["getting_started.md"],
     "half_precision_check.md": [],
     "low_precision.md": ["getting_started.md"],
+    "float8.md": ["getting_started.md"],
 }
 # Pages whose code a test file of their own runs and checks, as user code (under
 # standard promotion), rather than these tests: page -> that file.
@@ -37,7 +38,7 @@ RUN_BY = {"recipes.md": "test_recipes.py"}
 # Pages whose code ends with a gradient step that returned `finite`.
 # Pages that train bfloat16 parameters, with no float32 copy.
 BFLOAT16_PARAMS = {"low_precision.md"}
-ENDS_WITH_A_STEP = {"framework_state.md", "accumulation.md", "autocast.md", "float16_stuck.md"}
+ENDS_WITH_A_STEP = {"float8.md", "framework_state.md", "accumulation.md", "autocast.md", "float16_stuck.md"}
 
 
 def _blocks(path):
