@@ -53,7 +53,7 @@ def test_casting_the_inputs_says_it_computes_in_float32(pattern):
     with pytest.warns(jaxmp.MostlyFloat32Warning, match="matrix-product FLOPs in half precision") as rec:
         _half_share(loss, args, compute_dtype=jnp.float16, autocast=False)
     message = str(rec[0].message)
-    assert "test_real_code.py:" in message  # the user's line, not a library's
+    assert "real_code.py:" in message  # the user's line (the pattern's model), not a library's
     assert "float32" in message and "autocast=True" in message
 
 

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import source_info_util
+from jax.extend import source_info_util
 
 from jaxmp._src import casting
 
