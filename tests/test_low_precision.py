@@ -314,7 +314,9 @@ def test_representable_values_stay_exact(dtype):
     t = jnp.tile(exact.astype(jnp.float32), 1000)
     bits = low_precision._random_bits(jax.random.key_data(jax.random.key(1)), 0, t)
     out = low_precision.stochastic_round(t, dtype, bits)
-    _assert_bitwise(out, jnp.tile(exact, 1000))
+    # The expected values tiled by NumPy: XLA:CPU in jax 0.8 flushes bfloat16 subnormals
+    # when it tiles them.
+    _assert_bitwise(out, np.tile(np.asarray(exact), 1000))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
