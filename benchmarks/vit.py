@@ -804,7 +804,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-probe", action="store_true", help="skip the gradient-norm probe")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--workers", type=int, default=None,
-                        help="parallel compilations (default 1: compile times are then comparable)")
+                        help="parallel compilations (default 1, so that compile times compare; "
+                             "--quick: one per core)")
     args = parser.parse_args(argv)
 
     if args.quick and "XLA_FLAGS" not in os.environ:
@@ -849,7 +850,8 @@ def main(argv=None) -> int:
         warmup=args.warmup,
         time_base=args.time_base,
         progress=not args.no_progress,
-        workers=args.workers,
+        # --quick compiles in parallel (its compile times then overlap: not for comparison).
+        workers=args.workers or ((os.cpu_count() or 1) if args.quick else 1),
         partial_path=os.path.join(args.out, "results.partial.json"),
         model_names=model_names,
         probe=not args.no_probe,

@@ -22,7 +22,7 @@ MAX_RATIO = 1.2
 
 
 @pytest.fixture(scope="module")
-def compiled():
+def compiled():  # the three steps of the benchmark's tiny ViT, traced and compiled
     config = models.TINY_VIT
     params = jax.eval_shape(functools.partial(models.init_vit, config=config), jax.random.key(0))
     x, y = vit.batch_shapes(config, 4)
@@ -35,24 +35,17 @@ def compiled():
     return out
 
 
-@pytest.mark.parametrize("name", ["jaxmp", "autocast"])
-def test_step_is_within_a_fifth_of_the_hand_written_step(compiled, name):
-    hand = vit.count_hlo_ops(compiled["hand_written"][1])
-    ours = vit.count_hlo_ops(compiled[name][1])
-    assert ours <= MAX_RATIO * hand, f"{name}: {ours} HLO instructions, hand-written {hand}"
-
-
-@pytest.mark.parametrize("name", ["jaxmp", "autocast"])
-def test_healthy_step_has_no_host_callback_nor_conditional(compiled, name):
-    # float32 master weights: nothing to call back about, no branch to take.
-    jaxpr, hlo = compiled[name]
-    assert "callback" not in str(jaxpr) and " cond[" not in str(jaxpr)
-    assert not re.search(r"\b(custom-call|conditional)\(", hlo)
-
-
-@pytest.mark.parametrize("name", ["jaxmp", "autocast"])
-def test_finite_flag_is_computed_once(compiled, name):
-    # The regression: XLA copied the flag's and-chain (one ``and`` per parameter)
-    # into each of the ~100 selects of the update: thousands of ``and``s.
-    hand_ands = compiled["hand_written"][1].count(" and(")
-    assert compiled[name][1].count(" and(") <= 2 * hand_ands + 20
+def test_step_stays_the_size_of_a_hand_written_one(compiled):
+    # One test, so that the three steps compile once whichever worker runs it.
+    _, hand_hlo = compiled["hand_written"]
+    hand, hand_ands = vit.count_hlo_ops(hand_hlo), hand_hlo.count(" and(")
+    for name in ("jaxmp", "autocast"):
+        jaxpr, hlo = compiled[name]
+        ours = vit.count_hlo_ops(hlo)
+        assert ours <= MAX_RATIO * hand, f"{name}: {ours} HLO instructions, hand-written {hand}"
+        # float32 master weights: nothing to call back about, no branch to take.
+        assert "callback" not in str(jaxpr) and " cond[" not in str(jaxpr), name
+        assert not re.search(r"\b(custom-call|conditional)\(", hlo), name
+        # The regression: XLA copied the flag's and-chain (one ``and`` per parameter)
+        # into each of the ~100 selects of the update: thousands of ``and``s.
+        assert hlo.count(" and(") <= 2 * hand_ands + 20, name
