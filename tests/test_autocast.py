@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jaxmp
+from jaxmp._src import census
 from benchmarks.models import DESKTOP_VIT, TINY_VIT, init_vit, vit_loss
 
 F16 = jnp.float16
@@ -16,21 +17,9 @@ F16 = jnp.float16
 
 def _dtypes_of(fn, *args, prim=None):
     """The output dtypes of every equation (optionally of one primitive) in the jaxpr of ``fn``."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if prim is None or eqn.primitive.name == prim:
-                found.extend((eqn.primitive.name, str(v.aval.dtype)) for v in eqn.outvars)
-            for p in eqn.params.values():
-                for sub in p if isinstance(p, (tuple, list)) else (p,):
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-                        walk(sub.jaxpr)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    return [(eqn.primitive.name, str(v.aval.dtype))
+            for eqn, _, _ in census.walk(jax.make_jaxpr(fn)(*args).jaxpr)
+            if prim is None or eqn.primitive.name == prim for v in eqn.outvars]
 
 
 def _assert_close(actual, expected, rtol, atol=0.0):

@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxmp
+from jaxmp._src import census
 from jaxmp._src import float8
 
 E4M3 = jnp.float8_e4m3fn
@@ -18,21 +19,9 @@ BF16 = jnp.bfloat16
 
 def _operand_dtypes(fn, *args, prim="dot_general"):
     """``(lhs dtype, rhs dtype)`` of every ``prim`` equation in the jaxpr of ``fn``, nested included."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == prim:
-                found.append(tuple(str(v.aval.dtype) for v in eqn.invars[:2]))
-            for p in eqn.params.values():
-                for sub in p if isinstance(p, (tuple, list)) else (p,):
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-                        walk(sub.jaxpr)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    return [tuple(str(v.aval.dtype) for v in eqn.invars[:2])
+            for eqn, _, _ in census.walk(jax.make_jaxpr(fn)(*args).jaxpr)
+            if eqn.primitive.name == prim]
 
 
 def _rel(a, b):

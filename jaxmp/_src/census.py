@@ -69,13 +69,20 @@ def _flops(eqn) -> int:
     return 2 * math.prod(out.shape) * math.prod(rhs.shape) // max(out_features, 1)
 
 
-def census(jaxpr, repeat: int = 1, enclosing: tuple = ()) -> Iterator[tuple[Any, int, tuple]]:
-    """``(eqn, flops, enclosing equations)`` for every product of ``jaxpr``, nested ones included."""
+def walk(jaxpr, repeat: int = 1, enclosing: tuple = ()) -> Iterator[tuple[Any, int, tuple]]:
+    """``(eqn, times it runs, enclosing equations)`` for every equation of ``jaxpr``, nested ones
+    included (each before those inside it)."""
     for eqn in jaxpr.eqns:
+        yield eqn, repeat, enclosing
+        for inner, times in _sub_jaxprs(eqn):
+            yield from walk(inner, repeat * times, enclosing + (eqn,))
+
+
+def census(jaxpr) -> Iterator[tuple[Any, int, tuple]]:
+    """``(eqn, flops, enclosing equations)`` for every product of ``jaxpr``, nested ones included."""
+    for eqn, repeat, enclosing in walk(jaxpr):
         if eqn.primitive.name in _PRODUCTS:
             yield eqn, repeat * _flops(eqn), enclosing
-        for inner, times in _sub_jaxprs(eqn):
-            yield from census(inner, repeat * times, enclosing + (eqn,))
 
 
 def warn_if_mostly_float32(closed_jaxpr, compute_dtype: Any, api: str) -> bool:

@@ -40,9 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend import source_info_util
 
 from jaxmp._src import casting
+from jaxmp._src import interpret
 
 #: The float8 dtypes accepted as ``matmul_dtype``.
 FLOAT8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -261,6 +261,13 @@ def _dot_transposes(ct, a, b, dimension_numbers):
     return da, db
 
 
+def _quantized_forward(product, a, b, matmul_dtype, out_dtype):
+    """``product`` of the float8 operands, dequantized to ``out_dtype``, and the residuals."""
+    a8, ia = quantize(a, matmul_dtype)
+    b8, ib = quantize(b, matmul_dtype)
+    return dequantize(product(a8, b8), (ia, ib), out_dtype), (a8, ia, b8, ib)
+
+
 def _scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype):
     """``dot_general(a, b)`` in float8 with per-tensor scaling; float8 backward (see module)."""
 
@@ -269,10 +276,8 @@ def _scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype):
         return forward(a, b)[0]
 
     def forward(a, b):
-        a8, ia = quantize(a, matmul_dtype)
-        b8, ib = quantize(b, matmul_dtype)
-        out = dequantize(_dot(a8, b8, dimension_numbers), (ia, ib), out_dtype)
-        return out, (a8, ia, b8, ib)
+        dot = lambda x, y: _dot(x, y, dimension_numbers)
+        return _quantized_forward(dot, a, b, matmul_dtype, out_dtype)
 
     def backward(res, ct):
         a8, ia, b8, ib = res
@@ -303,9 +308,7 @@ def _scaled_conv(a, b, *, params, matmul_dtype, out_dtype, compute_dtype):
         return forward(a, b)[0]
 
     def forward(a, b):
-        a8, ia = quantize(a, matmul_dtype)
-        b8, ib = quantize(b, matmul_dtype)
-        return dequantize(conv(a8, b8), (ia, ib), out_dtype), (a8, ia, b8, ib)
+        return _quantized_forward(conv, a, b, matmul_dtype, out_dtype)
 
     def backward(res, ct):
         a8, ia, b8, ib = res
@@ -326,8 +329,7 @@ def scaled_product(eqn, invals, compute_dtype: np.dtype, matmul_dtype: np.dtype)
     carry the source location of ``eqn`` (the user's line).
     """
     a, b = invals
-    with source_info_util.user_context(eqn.source_info.traceback,
-                                       name_stack=source_info_util.current_name_stack()):
+    with interpret.at_source_of(eqn):
         if eqn.primitive.name == "dot_general":
             return _scaled_dot(a, b, dimension_numbers=eqn.params["dimension_numbers"],
                                matmul_dtype=matmul_dtype, out_dtype=compute_dtype)

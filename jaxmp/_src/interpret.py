@@ -58,6 +58,7 @@ first-order primitives it meets, nested ``jit`` included:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -72,6 +73,14 @@ from jaxmp._src import compat
 Handler = Callable[["Interpreter", Any, list], list]
 
 
+@contextlib.contextmanager
+def at_source_of(eqn):
+    """Equations bound inside this block carry the source location of ``eqn`` (the user's line)."""
+    with source_info_util.user_context(eqn.source_info.traceback,
+                                       name_stack=source_info_util.current_name_stack()):
+        yield
+
+
 def bind(eqn, invals: Sequence[Any], params: Mapping[str, Any] | None = None) -> list[Any]:
     """Binds the primitive of ``eqn`` on ``invals`` (arrays); always returns a list.
 
@@ -80,8 +89,7 @@ def bind(eqn, invals: Sequence[Any], params: Mapping[str, Any] | None = None) ->
     points at the user's code.
     """
     params = eqn.params if params is None else params
-    with source_info_util.user_context(eqn.source_info.traceback,
-                                       name_stack=source_info_util.current_name_stack()):
+    with at_source_of(eqn):
         subfuns, bind_params = compat.bind_params(eqn.primitive, params)
         out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
     return list(out) if eqn.primitive.multiple_results else [out]
