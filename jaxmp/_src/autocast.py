@@ -267,6 +267,93 @@ def _narrow_safe(closed, rules: "AutocastRules") -> frozenset:
     return frozenset(needed)
 
 
+# Operations that pass a value on unchanged but for its shape (or its rounding).
+_RESHAPING = frozenset({"broadcast_in_dim", "reshape", "expand_dims", "squeeze", "stop_gradient",
+                        "copy", "copy_p", "convert_element_type"})
+
+
+def _shifted_exps(closed, keep: frozenset) -> frozenset:
+    """The ``exp`` equations of ``closed`` (sub-jaxprs included) that can run in half precision.
+
+    That is ``exp(a - m)`` where ``m`` is at least the maximum of ``a`` along
+    some axes (``reduce_max`` of ``a``, broadcast, reshaped, behind a
+    ``stop_gradient``, a ``max`` with anything, or chosen by a ``select`` on
+    its own finiteness against a literal, as ``logsumexp`` does): the
+    exponentials of a softmax, a log-softmax or a ``logsumexp``, which lie
+    in ``[0, 1]``: the ones of a softmax whose probabilities go on in half
+    precision. An ``exp`` is returned only when each of its users is a sum
+    (run in float32) or has results that ``keep`` (from ``_narrow_safe``)
+    does not hold, and at least one is not a sum. So the exponentials of a
+    log-softmax or ``logsumexp`` (only summed, on their way to a ``log``)
+    stay float32: their derivative, ``p - onehot`` for a cross-entropy,
+    cancels where a probability approaches 1, and half-precision
+    probabilities would double its rounding error. So do those of a
+    probability that reaches a ``log`` or an output of the function (their
+    tiny values matter there). Returned as the equations' output variables.
+    """
+    found: set = set()
+
+    def walk(jaxpr):
+        producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+        users: dict = {}
+        for e in jaxpr.eqns:
+            for v in e.invars:
+                if not isinstance(v, jex_core.Literal):
+                    users.setdefault(v, []).append(e)
+        outputs = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+
+        def strip(v):
+            while not isinstance(v, jex_core.Literal) and v in producer:
+                e = producer[v]
+                if e.primitive.name not in _RESHAPING:
+                    break
+                v = e.invars[0]
+            return v
+
+        def at_least_max_of(m, a, depth=0) -> bool:
+            m = strip(m)
+            e = None if isinstance(m, jex_core.Literal) else producer.get(m)
+            if e is None or depth > 8:
+                return False
+            name = e.primitive.name
+            if name == "reduce_max":
+                return strip(e.invars[0]) == a
+            if name == "max":
+                return any(at_least_max_of(x, a, depth + 1) for x in e.invars)
+            if name == "select_n":
+                pred, *cases = e.invars
+                p = None if isinstance(pred, jex_core.Literal) else producer.get(strip(pred))
+                literal = [isinstance(strip(c), jex_core.Literal) for c in cases]
+                return (p is not None and p.primitive.name == "is_finite"
+                        and at_least_max_of(p.invars[0], a, depth + 1)
+                        and any(literal)
+                        and all(at_least_max_of(c, a, depth + 1)
+                                for c, lit in zip(cases, literal) if not lit))
+            return False
+
+        for e in jaxpr.eqns:
+            for p in e.params.values():
+                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+            if e.primitive.name != "exp" or isinstance(e.invars[0], jex_core.Literal):
+                continue
+            out = e.outvars[0]
+            others = [u for u in users.get(out, ()) if u.primitive.name not in _REDUCTIONS]
+            if (out in outputs or not others
+                    or any(o in keep for u in others for o in u.outvars)):
+                continue
+            d = producer.get(e.invars[0])
+            if d is not None and d.primitive.name == "sub":
+                a, m = d.invars
+                if not isinstance(a, jex_core.Literal) and at_least_max_of(m, strip(a)):
+                    found.add(e.outvars[0])
+
+    walk(closed.jaxpr)
+    return frozenset(found)
+
+
 class _Autocast(interpret.Interpreter):
     """The interpreter of one traced ``autocast`` call: compute dtype, rules, narrowing.
 
@@ -282,11 +369,13 @@ class _Autocast(interpret.Interpreter):
 
     def __init__(self, compute_dtype: np.dtype, rules: AutocastRules, keep: frozenset = frozenset(),
                  matmul_dtype: np.dtype | None = None,
-                 float8_rules: float8.Float8Rules = float8.Float8Rules()):
+                 float8_rules: float8.Float8Rules = float8.Float8Rules(),
+                 shifted: frozenset = frozenset()):
         super().__init__()
         self.compute_dtype = compute_dtype
         self.rules = rules
         self.keep = keep
+        self.shifted = shifted  # exp equations whose operand is at most 0 (``_shifted_exps``)
         self.matmul_dtype = matmul_dtype  # a float8 dtype, or None: products in compute_dtype
         self.float8_rules = float8_rules
         self._scopes: list[str] = []  # name stacks of the equations being evaluated
@@ -410,7 +499,9 @@ class _Autocast(interpret.Interpreter):
                         for i, k in zip(floats, float_kinds))
         any_stat = any(k in (_STAT, _INV) for k in float_kinds)
 
-        if name in rules.full_precision:
+        # exp(x - max(x)) lies in [0, 1]: computed like a bounded function.
+        shifted_exp = name == "exp" and eqn.outvars[0] in self.shifted
+        if name in rules.full_precision and not shifted_exp:
             cast = list(invals)
             for i in floats:
                 cast[i] = self.cast(cast[i], casting.wide_dtype(in_avals[i].dtype))
@@ -424,7 +515,7 @@ class _Autocast(interpret.Interpreter):
                 kind = _KEPT
             return outs, [kind if casting.is_float_dtype(o.dtype) else _PLAIN for o in outs]
 
-        if name in rules.bounded:
+        if name in rules.bounded or shifted_exp:
             # Saturating: a kept operand is narrowed (no float32 digits needed).
             dtypes = [np.dtype(invals[i].dtype) if not kinds[i] else self.compute_dtype
                       for i in floats]
@@ -491,10 +582,13 @@ def _recompute_policy(low: frozenset) -> Callable:
     Float32 intermediates of the autocast program (sums, exponentials,
     normalisation statistics, ...) are then recomputed in the backward pass
     from the half-precision values around them; matrix products are always
-    saved, never recomputed.
+    saved, never recomputed. The sums are recomputed too (one more pass over
+    a region's input): a saved statistic would let XLA schedule what is
+    computed from it in the forward pass, in float32 (see
+    ``_recomputed_late``).
     """
 
-    always = low | LOW_PRECISION | _REDUCTIONS  # reductions: small results, costly to redo
+    always = low | LOW_PRECISION
 
     def policy(prim, *avals, **params):
         if prim.name in always:
@@ -562,6 +656,53 @@ def _float32_regions(jaxpr) -> list[list[int]]:
     return regions
 
 
+def _recomputed_late(fn: Callable, policy: Callable) -> Callable:
+    """``jax.checkpoint(fn, policy=policy)``, its recomputation tied to its cotangents.
+
+    A checkpoint's recomputation depends only on values of the forward pass,
+    so XLA is free to schedule it there (XLA:CPU does: it drops the
+    optimisation barriers of ``prevent_cse`` before scheduling), and the
+    float32 values it recomputes then live from the forward pass to the
+    backward one, which is what recomputing was to avoid. Here the saved
+    inputs of ``fn`` that are as large as its largest output have the first
+    element of an output cotangent times zero added to them before the
+    recomputation: a data dependence that XLA keeps (``0 * x`` is not
+    simplified for floats), so the recomputation waits for the backward pass.
+    The sum is exact for finite cotangents; a non-finite one makes the
+    gradients non-finite, as it would anyway.
+
+    Reverse-mode only (``jax.custom_vjp``): forward-mode differentiation of
+    the result raises.
+    """
+    remat = jax.checkpoint(fn, policy=policy)
+
+    @jax.custom_vjp
+    def run(*xs):
+        return fn(*xs)
+
+    def fwd(*xs):
+        return jax.vjp(remat, *xs)
+
+    def bwd(vjp, cts):
+        floats = [c for c in cts if casting.is_float_dtype(c.dtype) and c.size]
+        if floats:
+            zero = floats[0].ravel()[0] * 0
+            largest = max(c.size for c in floats)
+            zeros: dict = {}
+
+            def tie(x):
+                if not casting.is_float_dtype(getattr(x, "dtype", None)) or x.size < largest:
+                    return x
+                return x + zeros.setdefault(np.dtype(x.dtype), zero.astype(x.dtype))
+
+            leaves, tree = jax.tree_util.tree_flatten(vjp)
+            vjp = jax.tree_util.tree_unflatten(tree, [tie(x) for x in leaves])
+        return tuple(vjp(cts))
+
+    run.defvjp(fwd, bwd)
+    return run
+
+
 def _eval_with_regions(closed, args, policy) -> list:
     """Evaluates ``closed`` with each float32 region in its own ``jax.checkpoint``.
 
@@ -613,7 +754,7 @@ def _eval_with_regions(closed, args, policy) -> list:
                     local[v] = x
             return [local[v] for v in outputs]
 
-        outs = jax.checkpoint(run_region, policy=policy)(*[env[v] for v in inputs])
+        outs = _recomputed_late(run_region, policy)(*[env[v] for v in inputs])
         env.update(zip(outputs, outs))
     return [read(v) for v in jaxpr.outvars]
 
@@ -670,7 +811,12 @@ def autocast(
     float32 digits: a ``full_precision`` operation (``log`` of a
     probability), a loop, a branch or an output of ``fn``. So layer-norm and
     softmax outputs, and everything after a ``tanh``, are half precision;
-    the statistics, ``x - mean`` and exponentials of a softmax are float32.
+    the statistics, ``x - mean`` and the sums of a softmax are float32. The
+    exponentials of a softmax, ``exp(x - max(x))``, lie in ``[0, 1]`` and
+    run in ``compute_dtype`` (like a ``bounded`` function) when the
+    probabilities go on in half precision (into an attention product);
+    those of a log-softmax or ``logsumexp``, or of probabilities that reach
+    a ``log`` or an output of ``fn``, stay float32.
 
     What it costs: the float32 values are twice the size of half-precision
     ones, the boundaries are conversions, and a float32 normalisation has a
@@ -685,11 +831,15 @@ def autocast(
     ``compute_dtype``) the float32 intermediates are not kept for the
     backward pass: each connected float32 region (a layer norm, a softmax)
     gets its own ``jax.checkpoint`` that keeps only its half-precision values
-    and the results of its reductions, and recomputes the rest where its
-    derivative is taken. The recomputed work is conversions and elementwise
-    operations, never a matrix product: what is kept for the backward pass
-    is then all half precision, for some more work in the backward pass.
-    ``recompute_float32=False`` keeps the float32 intermediates instead.
+    and recomputes the rest where its derivative is taken: the
+    recomputation is tied to the region's cotangent, so that XLA cannot move
+    it into the forward pass. The recomputed work is conversions,
+    elementwise operations and the region's sums, never a matrix product:
+    what is kept for the backward pass is then all half precision, for some
+    more work in the backward pass. The regions are ``jax.custom_vjp``
+    functions, so the result supports reverse-mode differentiation only
+    (``grad``, ``vjp``); ``recompute_float32=False`` keeps the float32
+    intermediates instead and supports ``jax.jvp`` too.
 
     The result is an ordinary function: ``jit``, ``vmap`` and ``grad`` work on
     it, its outputs have the dtypes ``fn`` gives them, gradients with respect
@@ -765,8 +915,9 @@ def autocast(
 
     def run_autocast(closed, dyn):
         out_avals = closed.out_avals
-        interpreter = _Autocast(compute_dtype, rules, _narrow_safe(closed, rules),
-                                matmul_dtype, float8_rules)
+        keep = _narrow_safe(closed, rules)
+        interpreter = _Autocast(compute_dtype, rules, keep, matmul_dtype, float8_rules,
+                                _shifted_exps(closed, keep))
         consts = list(closed.consts)
 
         def run(*flat):
