@@ -663,13 +663,13 @@ def _recomputed_late(fn: Callable, policy: Callable) -> Callable:
     so XLA is free to schedule it there (XLA:CPU does: it drops the
     optimisation barriers of ``prevent_cse`` before scheduling), and the
     float32 values it recomputes then live from the forward pass to the
-    backward one, which is what recomputing was to avoid. Here the saved
-    inputs of ``fn`` that are as large as its largest output have the first
-    element of an output cotangent times zero added to them before the
-    recomputation: a data dependence that XLA keeps (``0 * x`` is not
-    simplified for floats), so the recomputation waits for the backward pass.
-    The sum is exact for finite cotangents; a non-finite one makes the
-    gradients non-finite, as it would anyway.
+    backward one, which is what recomputing was to avoid. Here each saved
+    input of ``fn`` as large as its largest output gets ``0 * cotangent``
+    added before the recomputation (the cotangent of an output of its shape,
+    else the first element of one): a data dependence that XLA keeps
+    (``0 * x`` is not simplified for floats), so the recomputation waits for
+    the backward pass. The sum is exact for finite cotangents; a non-finite
+    one makes the gradients non-finite, as it would anyway.
 
     Reverse-mode only (``jax.custom_vjp``): forward-mode differentiation of
     the result raises.
@@ -685,19 +685,21 @@ def _recomputed_late(fn: Callable, policy: Callable) -> Callable:
 
     def bwd(vjp, cts):
         floats = [c for c in cts if casting.is_float_dtype(c.dtype) and c.size]
-        if floats:
-            zero = floats[0].ravel()[0] * 0
-            largest = max(c.size for c in floats)
-            zeros: dict = {}
+        if not floats:
+            return tuple(vjp(cts))
+        largest = max(c.size for c in floats)
+        by_shape = {c.shape: c for c in reversed(floats)}
 
-            def tie(x):
-                if not casting.is_float_dtype(getattr(x, "dtype", None)) or x.size < largest:
-                    return x
-                return x + zeros.setdefault(np.dtype(x.dtype), zero.astype(x.dtype))
+        def tie(x):
+            if not casting.is_float_dtype(getattr(x, "dtype", None)) or x.size < largest:
+                return x
+            # Elementwise when shapes agree: fewer instructions for XLA to copy
+            # into every fusion that reads ``x`` than a broadcast scalar.
+            c = by_shape.get(x.shape, floats[0].ravel()[0])
+            return x + (c * 0).astype(x.dtype)
 
-            leaves, tree = jax.tree_util.tree_flatten(vjp)
-            vjp = jax.tree_util.tree_unflatten(tree, [tie(x) for x in leaves])
-        return tuple(vjp(cts))
+        leaves, tree = jax.tree_util.tree_flatten(vjp)
+        return tuple(jax.tree_util.tree_unflatten(tree, [tie(x) for x in leaves])(cts))
 
     run.defvjp(fwd, bwd)
     return run
