@@ -706,11 +706,11 @@ def _recomputed_late(fn: Callable, policy: Callable) -> Callable:
 
 
 def _eval_with_regions(closed, args, policy) -> list:
-    """Evaluates ``closed`` with each float32 region in its own ``jax.checkpoint``.
+    """Evaluates ``closed`` with each float32 region in its own checkpoint (``_recomputed_late``).
 
     Each region's float32 values are then recomputed in the backward pass
     where that region's derivative is taken, one region at a time, rather
-    than all at the start of the backward pass.
+    than all at the start of the backward pass or in the forward pass.
     """
     jaxpr = closed.jaxpr
     regions = _float32_regions(jaxpr)
