@@ -57,6 +57,7 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from jaxmp._src import casting
+from jaxmp._src import census
 from jaxmp._src import float8
 from jaxmp._src import interpret
 
@@ -280,8 +281,8 @@ def _shifted_exps(closed, keep: frozenset) -> frozenset:
     ``stop_gradient``, a ``max`` with anything, or chosen by a ``select`` on
     its own finiteness against a literal, as ``logsumexp`` does): the
     exponentials of a softmax, a log-softmax or a ``logsumexp``, which lie
-    in ``[0, 1]``: the ones of a softmax whose probabilities go on in half
-    precision. An ``exp`` is returned only when each of its users is a sum
+    in ``[0, 1]``. Of those, the ones returned are a softmax's whose
+    probabilities go on in half precision: an ``exp`` each of whose users is a sum
     (run in float32) or has results that ``keep`` (from ``_narrow_safe``)
     does not hold, and at least one is not a sum. So the exponentials of a
     log-softmax or ``logsumexp`` (only summed, on their way to a ``log``)
@@ -332,11 +333,8 @@ def _shifted_exps(closed, keep: frozenset) -> frozenset:
             return False
 
         for e in jaxpr.eqns:
-            for p in e.params.values():
-                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
+            for inner, _ in census.sub_jaxprs(e):
+                walk(inner)
             if e.primitive.name != "exp" or isinstance(e.invars[0], jex_core.Literal):
                 continue
             out = e.outvars[0]
@@ -375,7 +373,7 @@ class _Autocast(interpret.Interpreter):
         self.compute_dtype = compute_dtype
         self.rules = rules
         self.keep = keep
-        self.shifted = shifted  # exp equations whose operand is at most 0 (``_shifted_exps``)
+        self.shifted = shifted  # exp equations to run in compute_dtype (``_shifted_exps``)
         self.matmul_dtype = matmul_dtype  # a float8 dtype, or None: products in compute_dtype
         self.float8_rules = float8_rules
         self._scopes: list[str] = []  # name stacks of the equations being evaluated

@@ -49,7 +49,7 @@ class MostlyFloat32Warning(UserWarning):
     """
 
 
-def _sub_jaxprs(eqn) -> Iterator[tuple[Any, int]]:
+def sub_jaxprs(eqn) -> Iterator[tuple[Any, int]]:
     """The jaxprs inside ``eqn`` (scan, cond, jit, checkpoint, custom rules) with a repeat count."""
     repeat = int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1
     for value in eqn.params.values():
@@ -74,7 +74,7 @@ def walk(jaxpr, repeat: int = 1, enclosing: tuple = ()) -> Iterator[tuple[Any, i
     included (each before those inside it)."""
     for eqn in jaxpr.eqns:
         yield eqn, repeat, enclosing
-        for inner, times in _sub_jaxprs(eqn):
+        for inner, times in sub_jaxprs(eqn):
             yield from walk(inner, repeat * times, enclosing + (eqn,))
 
 
