@@ -174,11 +174,7 @@ def static_figures(model: Model, variant: str) -> tuple[dict, Any, Any]:
         "saved_activation_bytes": jaxmp.saved_activation_bytes(loss, model.params, *model.batch),
     }
     compiled = jax.jit(step, donate_argnums=0).lower(state, *model.batch).compile()
-    mem = compiled.memory_analysis()
-    if mem is not None:
-        row["xla_temp_bytes"] = int(mem.temp_size_in_bytes)
-        row["xla_total_bytes"] = int(mem.argument_size_in_bytes + mem.output_size_in_bytes
-                                     + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+    row.update(vit_bench.xla_memory(compiled))
     return row, compiled, init
 
 

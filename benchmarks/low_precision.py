@@ -58,7 +58,7 @@ import optax
 
 import jaxmp
 from benchmarks import models
-from benchmarks.vit import machine_info
+from benchmarks.vit import machine_info, xla_memory
 
 VARIANTS = ("float32", "bf16_optax", "nearest", "stochastic", "kahan")
 TARGET_BYTES = {"stochastic": 6.0, "kahan": 8.0}
@@ -182,14 +182,7 @@ def run_variant(task: Task, variant: str) -> dict[str, Any]:
 
     jitted = jax.jit(step, donate_argnums=0)
     compiled = jitted.lower(state, *task.batches[0]).compile()
-    mem = compiled.memory_analysis()
-    if mem is not None:
-        row["xla_argument_bytes"] = int(mem.argument_size_in_bytes)
-        row["xla_output_bytes"] = int(mem.output_size_in_bytes)
-        row["xla_temp_bytes"] = int(mem.temp_size_in_bytes)
-        row["xla_alias_bytes"] = int(mem.alias_size_in_bytes)
-        row["xla_total_bytes"] = int(mem.argument_size_in_bytes + mem.output_size_in_bytes
-                                     + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+    row.update(xla_memory(compiled))
 
     losses = []
     start = time.perf_counter()

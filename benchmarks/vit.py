@@ -510,17 +510,24 @@ def _static_figures(variant: Variant, params_shape, x_shape, y_shape, backend: s
     return row, lowered
 
 
-def _compiled_figures(row: dict, exe) -> None:
+def xla_memory(exe) -> dict[str, int]:
+    """XLA's memory estimate of a compiled step, as ``xla_*_bytes`` figures (empty if the backend has none).
+
+    ``xla_total_bytes`` is arguments + outputs + temporaries - donated aliases.
+    """
     mem = exe.memory_analysis()
-    if mem is not None:
-        row["xla_temp_bytes"] = int(mem.temp_size_in_bytes)
-        row["xla_argument_bytes"] = int(mem.argument_size_in_bytes)
-        row["xla_output_bytes"] = int(mem.output_size_in_bytes)
-        row["xla_alias_bytes"] = int(mem.alias_size_in_bytes)
-        row["xla_total_bytes"] = int(
-            mem.argument_size_in_bytes + mem.output_size_in_bytes
-            + mem.temp_size_in_bytes - mem.alias_size_in_bytes
-        )
+    if mem is None:
+        return {}
+    figures = {"xla_temp_bytes": mem.temp_size_in_bytes, "xla_argument_bytes": mem.argument_size_in_bytes,
+               "xla_output_bytes": mem.output_size_in_bytes, "xla_alias_bytes": mem.alias_size_in_bytes}
+    figures = {k: int(v) for k, v in figures.items()}
+    figures["xla_total_bytes"] = (figures["xla_argument_bytes"] + figures["xla_output_bytes"]
+                                  + figures["xla_temp_bytes"] - figures["xla_alias_bytes"])
+    return figures
+
+
+def _compiled_figures(row: dict, exe) -> None:
+    row.update(xla_memory(exe))
     row["hlo_ops"] = count_hlo_ops(exe.as_text())
 
 
