@@ -346,6 +346,100 @@ def test_convolution_forward_in_float8():
         ("bfloat16", "bfloat16")]
 
 
+_CONVS = {
+    # name: (x shape, w shape, conv keyword arguments)
+    "nhwc_stride2_same": ((2, 9, 9, 4), (3, 3, 4, 8), dict(
+        window_strides=(2, 2), padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))),
+    "nchw_rhs_dilation_valid": ((2, 4, 10, 10), (8, 4, 3, 3), dict(
+        window_strides=(1, 1), padding="VALID", rhs_dilation=(2, 2),
+        dimension_numbers=("NCHW", "OIHW", "NCHW"))),
+    "lhs_dilation_asymmetric_padding": ((2, 6, 6, 4), (3, 2, 4, 8), dict(
+        window_strides=(1, 2), padding=((1, 2), (0, 1)), lhs_dilation=(2, 1),
+        dimension_numbers=("NHWC", "HWIO", "NHWC"))),
+    "feature_groups": ((2, 8, 8, 6), (3, 3, 3, 12), dict(
+        window_strides=(1, 1), padding="SAME", feature_group_count=2,
+        dimension_numbers=("NHWC", "HWIO", "NHWC"))),
+    "depthwise": ((2, 8, 8, 4), (3, 3, 1, 4), dict(
+        window_strides=(2, 1), padding="SAME", feature_group_count=4,
+        dimension_numbers=("NHWC", "HWIO", "NHWC"))),
+    "batch_groups": ((4, 8, 8, 3), (3, 3, 3, 6), dict(
+        window_strides=(1, 1), padding="SAME", batch_group_count=2,
+        dimension_numbers=("NHWC", "HWIO", "NHWC"))),
+    "1d_nwc": ((3, 17, 4), (5, 4, 8), dict(
+        window_strides=(3,), padding="SAME", dimension_numbers=("NWC", "WIO", "NWC"))),
+    "3d_ncdhw": ((1, 2, 5, 6, 6), (4, 2, 2, 3, 3), dict(
+        window_strides=(1, 2, 1), padding="VALID", dimension_numbers=("NCDHW", "OIDHW", "NCDHW"))),
+}
+
+
+def _np_quantized(x, dtype):
+    """``x`` quantized per tensor into float8 ``dtype`` and back, in NumPy: the scale is the
+    largest power of two ``s`` with ``amax * s <= max(dtype)``."""
+    import ml_dtypes  # NumPy's float8 dtypes
+
+    x = np.asarray(x, np.float32)
+    top = float(ml_dtypes.finfo(np.dtype(dtype)).max)
+    amax = float(np.max(np.abs(x)))
+    s = 2.0 ** np.floor(np.log2(top / amax)) if amax > 0 else 1.0
+    while amax * s > top:
+        s /= 2
+    return (x * s).astype(np.dtype(dtype)), s
+
+
+@pytest.mark.parametrize("name", sorted(_CONVS))
+def test_convolution_backward_in_float8(name):
+    """Both backward products of a convolution are float8 convolutions (e5m2: JAX's convolution
+    takes one operand dtype) accumulating in float32, and give the gradient of an independent
+    NumPy quantization, differentiated in float32."""
+    x_shape, w_shape, kw = _CONVS[name]
+    kx, kw_, kc = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(kx, x_shape)
+    w = jax.random.normal(kw_, w_shape) / np.sqrt(np.prod(w_shape[:-1]))
+    conv = lambda x, w: jax.lax.conv_general_dilated(x, w, **kw)
+    c = jax.random.normal(kc, jax.eval_shape(conv, x, w).shape)
+
+    def fn(x, w):
+        return jnp.sum(conv(x, w) * c)
+
+    grad = jax.grad(_f8(fn, jnp.float32), argnums=(0, 1))
+    dtypes = _operand_dtypes(grad, x, w, prim="conv_general_dilated")
+    assert len(dtypes) == 3  # the forward product and its two transposes
+    assert dtypes[0] == ("float8_e4m3fn", "float8_e4m3fn")
+    assert dtypes[1:] == [("float8_e5m2", "float8_e5m2")] * 2
+
+    # The reference: the e4m3 operands the forward product saves, converted to e5m2, and the
+    # cotangent quantized into e5m2, all dequantized and differentiated in float32.
+    (x8, sx), (w8, sw) = _np_quantized(x, E4M3), _np_quantized(w, E4M3)
+    c8, sc = _np_quantized(c, E5M2)
+    as_e5m2 = lambda q, s: jnp.asarray(q.astype(np.dtype(E5M2)).astype(np.float32) / s)
+    _, vjp = jax.vjp(conv, as_e5m2(x8, sx), as_e5m2(w8, sw))
+    expected = vjp(jnp.asarray(c8.astype(np.float32) / sc))
+    for got, want in zip(jax.jit(grad)(x, w), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+    # ... and near float32's own gradient (e5m2 has two mantissa bits).
+    for got, want in zip(jax.jit(grad)(x, w), jax.grad(fn, argnums=(0, 1))(x, w)):
+        assert _rel(got, want) < 0.15
+
+
+def test_convolution_backward_in_float8_under_vmap_and_half_compute():
+    """The transposes are traced per call: under ``vmap`` (per-example scales) and with a
+    bfloat16 compute dtype the gradients stay float8 products and near float32."""
+    x_shape, w_shape, kw = _CONVS["nhwc_stride2_same"]
+    kx, kw_ = jax.random.split(jax.random.key(2))
+    xs = jax.random.normal(kx, (3,) + x_shape)
+    w = jax.random.normal(kw_, w_shape) / 6
+
+    def fn(w, x):
+        return jnp.sum(jnp.tanh(jax.lax.conv_general_dilated(x, w, **kw)) ** 2)
+
+    per_example = jax.vmap(jax.grad(_f8(fn)), in_axes=(None, 0))
+    assert jaxmp.float8_matmul_flop_share(per_example, w, xs) == 1.0
+    got = jax.jit(per_example)(w, xs)
+    assert got.dtype == w.dtype
+    ref = jax.vmap(jax.grad(fn), in_axes=(None, 0))(w, xs)
+    assert _rel(got, ref) < 0.15
+
+
 # --- Rules: which products stay in compute_dtype ---------------------------------------------------
 
 

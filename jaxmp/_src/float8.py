@@ -48,6 +48,10 @@ from jaxmp._src import interpret
 FLOAT8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 #: The dtype of cotangents in the backward products.
 GRAD_DTYPE = jnp.dtype(jnp.float8_e5m2)
+#: The float8 format of both operands of a convolution's backward products: JAX's
+#: convolution takes operands of one dtype, so the cotangent (scaled per tensor)
+#: and the saved e4m3 operand (converted) share it. See :func:`_scaled_conv`.
+CONV_GRAD_DTYPE = jnp.dtype(jnp.float8_e5m2)
 #: The primitives :func:`jaxmp.autocast` runs in float8 by default.
 FLOAT8_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
 
@@ -289,14 +293,48 @@ def _scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype):
     return product(a, b)
 
 
-def _scaled_conv(a, b, *, params, matmul_dtype, out_dtype, compute_dtype):
-    """A convolution in float8 forward; its backward products run in ``compute_dtype``.
+def _conv_transpose(params, operand, wrt: int, other_struct, ct):
+    """The backward product of a convolution with respect to argument ``wrt`` (0: lhs, 1: rhs).
 
-    The transposes of a convolution are convolutions too, but writing them
-    for float8 operands means re-deriving JAX's padding and group rules;
-    here the backward pass differentiates the convolution of the
-    dequantized (float8-valued) operands in the compute dtype instead. The
-    residuals are still the float8 operands.
+    ``operand`` is the other argument (the kernel for ``wrt=0``, the input for
+    ``wrt=1``) and ``ct`` the cotangent of the output; both are float8 of one
+    format. The transpose is JAX's own rule (any dimension numbers, strides,
+    padding, dilations, feature and batch groups), traced once on float32
+    stand-ins and then evaluated on the float8 values: besides the
+    convolution it holds only data movement (``rev``, ``reshape``,
+    ``transpose``), so the convolution binds float8 operands with float32
+    accumulation (``preferred_element_type`` of the forward product).
+    ``other_struct`` is the shape of the argument differentiated.
+    """
+    f32 = jnp.float32
+
+    def conv(x, y):
+        return lax.conv_general_dilated_p.bind(x, y, **params)
+
+    def transpose(known, g):
+        if wrt == 0:
+            linear = lambda x: conv(x, known)
+        else:
+            linear = lambda y: conv(known, y)
+        (out,) = jax.linear_transpose(linear, jax.ShapeDtypeStruct(other_struct, f32))(g)
+        return out
+
+    closed = jax.make_jaxpr(transpose)(jax.ShapeDtypeStruct(operand.shape, f32),
+                                       jax.ShapeDtypeStruct(ct.shape, f32))
+    (out,) = interpret.Interpreter().eval_closed(closed, [operand, ct])
+    return out
+
+
+def _scaled_conv(a, b, *, params, matmul_dtype, out_dtype):
+    """``conv_general_dilated(a, b)`` in float8 with per-tensor scaling, forward and backward.
+
+    The forward product is the dot products' (e4m3 operands, float32
+    accumulation). Both backward products (input and kernel gradients) are
+    float8 convolutions too, from JAX's own transpose rules
+    (:func:`_conv_transpose`). JAX's convolution takes two operands of one
+    dtype, so the cotangent and the saved operand share one float8 format
+    there: :data:`CONV_GRAD_DTYPE`, the cotangent scaled per tensor into it
+    and the saved e4m3 operand converted to it.
     """
     params = dict(params, preferred_element_type=jnp.float32)
 
@@ -312,10 +350,11 @@ def _scaled_conv(a, b, *, params, matmul_dtype, out_dtype, compute_dtype):
 
     def backward(res, ct):
         a8, ia, b8, ib = res
-        x, y = dequantize(a8, (ia,), compute_dtype), dequantize(b8, (ib,), compute_dtype)
-        _, vjp = jax.vjp(lambda x, y: conv(x, y).astype(ct.dtype), x, y)
-        da, db = vjp(ct)
-        return da.astype(a.dtype), db.astype(b.dtype)
+        ct8, ic = quantize(ct, CONV_GRAD_DTYPE)
+        a8, b8 = a8.astype(CONV_GRAD_DTYPE), b8.astype(CONV_GRAD_DTYPE)
+        da = _conv_transpose(params, b8, 0, a.shape, ct8)
+        db = _conv_transpose(params, a8, 1, b.shape, ct8)
+        return dequantize(da, (ic, ib), a.dtype), dequantize(db, (ic, ia), b.dtype)
 
     product.defvjp(forward, backward)
     return product(a, b)
@@ -334,4 +373,4 @@ def scaled_product(eqn, invals, compute_dtype: np.dtype, matmul_dtype: np.dtype)
             return _scaled_dot(a, b, dimension_numbers=eqn.params["dimension_numbers"],
                                matmul_dtype=matmul_dtype, out_dtype=compute_dtype)
         return _scaled_conv(a, b, params=dict(eqn.params), matmul_dtype=matmul_dtype,
-                            out_dtype=compute_dtype, compute_dtype=compute_dtype)
+                            out_dtype=compute_dtype)
