@@ -75,9 +75,15 @@ Handler = Callable[["Interpreter", Any, list], list]
 
 @contextlib.contextmanager
 def at_source_of(eqn):
-    """Equations bound inside this block carry the source location of ``eqn`` (the user's line)."""
-    with source_info_util.user_context(eqn.source_info.traceback,
-                                       name_stack=source_info_util.current_name_stack()):
+    """Equations bound inside this block carry the source of ``eqn``: the user's line and names.
+
+    The names are the ones ``jax.core.eval_jaxpr`` gives: the name stack of the
+    current trace followed by the equation's own (its ``jax.named_scope``s,
+    Flax and Haiku module paths), so that the compiled program's ``op_name``
+    metadata and a profile show the user's layers.
+    """
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
         yield
 
 
