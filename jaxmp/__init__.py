@@ -11,6 +11,7 @@ from jaxmp._src.casting import cast_to_half_precision
 from jaxmp._src.casting import cast_tree
 from jaxmp._src.casting import force_full_precision
 from jaxmp._src.casting import is_float_array
+from jaxmp._src.census import Float8ShortfallWarning
 from jaxmp._src.census import MostlyFloat32Warning
 from jaxmp._src.diagnostics import float8_matmul_flop_share
 from jaxmp._src.diagnostics import half_matmul_flop_share
@@ -59,6 +60,7 @@ __all__ = (
     "find_nonfinite",
     "Finding",
     "Float8Rules",
+    "Float8ShortfallWarning",
     "float8_matmul_flop_share",
     "force_full_precision",
     "get_policy",

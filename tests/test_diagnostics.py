@@ -86,3 +86,54 @@ def test_half_share_of_a_mixed_training_step():
 def test_lowering_platforms(platform):
     flops = jaxmp.matmul_flops(lambda a: a @ a, jnp.ones((4, 4)), platform=platform)
     assert flops == {"float32": 2 * 4 * 4 * 4}
+
+
+def _equinox_step_and_model():
+    eqx = pytest.importorskip("equinox")
+    # The activation is a custom_jvp (jax.nn.relu): a leaf that is no JAX type.
+    model = eqx.nn.MLP(4, 2, 8, 1, activation=jax.nn.relu, key=jax.random.PRNGKey(0))
+
+    def loss_fn(model, x):
+        return jnp.mean(jax.vmap(model)(x) ** 2)
+
+    def step(model, x, grad_fn=eqx.filter_value_and_grad(loss_fn)):
+        loss, grads = grad_fn(model, x)
+        return eqx.apply_updates(model, jax.tree_util.tree_map(lambda g: -0.1 * g, grads)), loss
+
+    return eqx, model, loss_fn, step
+
+
+def test_flop_tools_take_an_equinox_step_that_returns_the_updated_module():
+    eqx, model, loss_fn, step = _equinox_step_and_model()
+    x = jnp.ones((3, 4))
+    # Forward 2*3*(4*8 + 8*2) = 288, both weight gradients 288, one input gradient 96.
+    assert jaxmp.matmul_flops(step, model, x) == {"float32": 288 + 288 + 96}
+    assert jaxmp.half_matmul_flop_share(step, model, x) == 0.0
+
+    def mixed_step(model, x, state):
+        grad_fn = jaxmp.mp_value_and_grad(loss_fn, compute_dtype=jnp.bfloat16,
+                                          matmul_dtype=jnp.float8_e4m3fn)
+        loss, grads, state, _ = grad_fn(model, x, scaler_state=state)
+        return eqx.apply_updates(model, jax.tree_util.tree_map(lambda g: -0.1 * g, grads)), loss
+
+    state = jaxmp.noop_scaler()
+    assert jaxmp.half_matmul_flop_share(mixed_step, model, x, state) == 1.0
+    assert jaxmp.float8_matmul_flop_share(mixed_step, model, x, state) == 1.0
+
+
+def test_flop_tools_and_saved_bytes_take_none_functions_and_strings_in_and_out():
+    def f(tree, x):
+        y = tree["act"](x @ tree["w"])
+        return {"y": y, "none": None, "act": tree["act"], "name": tree["name"], "n": 3}
+
+    tree = {"w": jnp.ones((4, 4)), "none": None, "act": jax.nn.relu, "name": "layer"}
+    x = jnp.ones((2, 4))
+    assert jaxmp.matmul_flops(f, tree, x) == {"float32": 2 * 2 * 4 * 4}
+    assert jaxmp.half_matmul_flop_share(f, tree, x) == 0.0
+    assert jaxmp.float8_matmul_flop_share(f, tree, x) == 0.0
+    # The bytes of the array outputs' residuals alone: none for what is not an array.
+    saved = jaxmp.saved_activation_bytes(f, tree, x)
+    with_aux = jaxmp.saved_activation_bytes(lambda t, x: (f(t, x), {"tag": "aux", "f": len}),
+                                            tree, x, has_aux=True)
+    assert saved == with_aux == jaxmp.saved_activation_bytes(
+        lambda t, x: tree["act"](x @ t["w"]), tree, x) > 0

@@ -475,10 +475,9 @@ class _Autocast(interpret.Interpreter):
             if any(float8.is_float8_dtype(invals[i].dtype) for i in floats):
                 # A float8 product written in ``fn`` (or by an inner autocast): kept as it is.
                 return interpret.bind(eqn, invals), [_PLAIN] * nout
-            if (self.matmul_dtype is not None and name in self.float8_rules.primitives
-                    and len(floats) == len(invals) == 2):
-                product = float8.product_of(eqn, "/".join(s for s in self._scopes if s))
-                if not self.float8_rules.keeps(product):
+            if self.matmul_dtype is not None and name in float8.FLOAT8_PRIMITIVES:
+                scope = "/".join(s for s in self._scopes if s)
+                if float8.placement(eqn, scope, rules.low_precision, self.float8_rules) is None:
                     # Float8 operands scaled from their own amax, float32 accumulation.
                     return [float8.scaled_product(eqn, invals, self.compute_dtype,
                                                   self.matmul_dtype)], [_PLAIN]
@@ -914,6 +913,9 @@ def autocast(
     recompute = recompute_float32 and casting.is_half_dtype(compute_dtype)
 
     def run_autocast(closed, dyn):
+        if matmul_dtype is not None:  # says, once, which products cannot run in float8
+            census.warn_if_float8_shortfall(closed, rules, float8_rules, compute_dtype,
+                                            matmul_dtype)
         out_avals = closed.out_avals
         keep = _narrow_safe(closed, rules)
         interpreter = _Autocast(compute_dtype, rules, keep, matmul_dtype, float8_rules,

@@ -1,4 +1,4 @@
-"""The trace-time check that a mixed-precision step really computes in half precision.
+"""The trace-time checks that a mixed-precision step computes in the precision it asks for.
 
 Framework code often pins its own precision (a Flax layer with
 ``dtype=jnp.float32``, an embedding whose output keeps the parameters' dtype, a
@@ -6,31 +6,44 @@ batch captured by a closure, float32 noise drawn inside the loss): casting the
 inputs then leaves the matrix products in float32, and the loss looks right
 because it *is* float32's. :func:`warn_if_mostly_float32` counts the FLOPs of
 the matrix products and convolutions of the traced loss by operand dtype and
-warns, once per gradient function, when less than half are in half precision.
+warns when less than half are in half precision. With a float8
+``matmul_dtype``, :func:`warn_if_float8_shortfall` says which products
+autocast cannot run in float8, and why.
+
+Each warning is said once per place in the user's code (the first product it
+names, :func:`source.location_key`), not once per trace: a loss re-created
+inside a jitted step, traced again at new shapes, or traced by the FLOP tools
+says it once (:func:`warn_once`).
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
-import jax
 import numpy as np
 
 from jaxmp._src import casting
+from jaxmp._src import float8
 from jaxmp._src import source
 
 _PRODUCTS = ("dot_general", "conv_general_dilated")
+# Functions with their own derivative rule, which autocast runs as written.
+_CUSTOM_RULES = {"custom_jvp_call": "jax.custom_jvp", "custom_vjp_call": "jax.custom_vjp",
+                 "custom_vjp_call_jaxpr": "jax.custom_vjp"}
 
 
 class MostlyFloat32Warning(UserWarning):
     """Says that a step traced with a half-precision ``compute_dtype`` computes mostly in float32.
 
-    Issued once per gradient function, while the step is traced (never by the
-    compiled step), by the cast-inputs path (``autocast=False``) when less than
-    half of the loss's matrix-product FLOPs have half-precision operands. The
-    message names the first float32 product by the user's file and line.
+    Issued while the step is traced (never by the compiled step), by the
+    cast-inputs path (``autocast=False``) when less than half of the loss's
+    matrix-product FLOPs have half-precision operands. The message names the
+    first float32 product by the user's file and line, and is said once per
+    such product: tracing the step again (new shapes, ``jit`` retracing, the
+    FLOP tools, a loss re-created inside the step) does not repeat it. A new
+    ``warnings.catch_warnings(record=True)`` block starts afresh.
 
     Examples:
         >>> import warnings
@@ -85,11 +98,46 @@ def census(jaxpr) -> Iterator[tuple[Any, int, tuple]]:
             yield eqn, repeat * _flops(eqn), enclosing
 
 
+# The warnings said, by key, to the listener they were said to (see ``warn_once``).
+_said: dict = {"listener": None, "keys": set()}
+
+
+def _listener() -> tuple:
+    """What shows a warning now: a ``catch_warnings(record=True)`` block installs a new one."""
+    return getattr(warnings, "_showwarnmsg_impl", None), warnings.showwarning
+
+
+def warn_once(key: Any, message: str, category: type) -> bool:
+    """Warns ``message`` unless a warning with ``key`` was said already; returns whether it warned.
+
+    ``key`` names the place in the user's code (:func:`source.location_key`),
+    so that tracing the same code again says nothing, whatever the filters
+    (``"always"`` included). The record lasts as long as warnings are shown
+    the same way: a ``warnings.catch_warnings(record=True)`` block (as
+    ``pytest.warns`` and pytest's capture of each test's warnings use)
+    starts a new one, so a test can count what a function says; a block that
+    only changes filters (as ``equinox.filter_jit`` wraps its calls in) does
+    not. A warning turned into an error by a filter is not recorded (it is
+    raised again next time).
+    """
+    listener = _listener()
+    if (_said["listener"] is None
+            or any(a is not b for a, b in zip(_said["listener"], listener))):
+        _said["listener"], _said["keys"] = listener, set()
+    key = (category.__name__, key)
+    if key in _said["keys"]:
+        return False
+    warnings.warn(message, category, stacklevel=5)  # the caller of the traced function
+    _said["keys"].add(key)
+    return True
+
+
 def warn_if_mostly_float32(closed_jaxpr, compute_dtype: Any, api: str) -> bool:
     """Warns when under half of the product FLOPs of ``closed_jaxpr`` have half-precision operands.
 
     Returns whether it warned. Names the first product with a float32 operand
-    by the user's file and line, with its operand dtypes, and the fix.
+    by the user's file and line, with its operand dtypes, and the fix. Said
+    once per such product (:func:`warn_once`).
     """
     if not casting.is_half_dtype(compute_dtype):
         return False
@@ -106,7 +154,8 @@ def warn_if_mostly_float32(closed_jaxpr, compute_dtype: Any, api: str) -> bool:
         return False
     eqn, enclosing, dtypes = first
     where = source.user_location(eqn, enclosing)
-    warnings.warn(
+    return warn_once(
+        source.location_key(eqn, enclosing),
         f"jaxmp: this {api} step was traced with compute_dtype={np.dtype(compute_dtype).name} "
         f"but runs only {half / total:.0%} of its matrix-product FLOPs in half precision: "
         f"the model computes in float32 and trains at float32's speed and memory. The first "
@@ -118,6 +167,162 @@ def warn_if_mostly_float32(closed_jaxpr, compute_dtype: Any, api: str) -> bool:
         "inside the loss; or cast those values yourself (e.g. the layer's dtype= to the "
         "compute dtype).",
         MostlyFloat32Warning,
-        stacklevel=4,
     )
-    return True
+
+
+# --- float8 ----------------------------------------------------------------------------------
+
+
+class Float8ShortfallWarning(UserWarning):
+    """Says that some matrix products of a step with a float8 ``matmul_dtype`` run wider.
+
+    Issued while :func:`jaxmp.autocast` (so also :func:`jaxmp.mp_value_and_grad`
+    and friends) traces a function with ``matmul_dtype=jnp.float8_e4m3fn`` (or
+    ``float8_e5m2``), when a matrix product or convolution, or its backward
+    products, cannot run in float8 for a reason other than the user's own
+    :class:`jaxmp.Float8Rules`: an operand that is not floating point, a product
+    inside a function with its own derivative rule (``jax.custom_vjp``,
+    ``jax.custom_jvp``: autocast runs the rule as written), a product the
+    autocast rules leave out of ``low_precision``. The message gives the share
+    of the FLOPs that run in float8 (forward and backward products, as autocast
+    places them), the first such product by the user's file and line, and why.
+    A product that ``Float8Rules`` keeps in the compute dtype is never
+    reported. Said once per such product: tracing again does not repeat it.
+
+    Examples:
+        >>> import warnings
+        >>> import jax, jax.numpy as jnp
+        >>> import jaxmp
+        >>> @jax.custom_vjp  # a product with its own backward rule, run as written
+        ... def project(x, w):
+        ...     return x @ w
+        >>> project.defvjp(lambda x, w: (x @ w, (x, w)),
+        ...                lambda res, g: (g @ res[1].T, res[0].T @ g))
+        >>> def loss_fn(w, x):
+        ...     return jnp.mean(project(x, w) ** 2)
+        >>> f8 = jaxmp.autocast(loss_fn, jnp.bfloat16, matmul_dtype=jnp.float8_e4m3fn)
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     _ = jax.grad(f8)(jnp.ones((16, 16)), jnp.ones((8, 16)))
+        >>> caught[0].category is jaxmp.Float8ShortfallWarning
+        True
+        >>> "custom_vjp" in str(caught[0].message)
+        True
+    """
+
+
+class _Why(NamedTuple):
+    """One reason a product runs wider than float8: what to say, and the fix."""
+
+    says: str
+    fix: str
+
+
+# Why a product (or its backward products) runs wider than float8, by reason.
+_WIDER = {
+    "rules": _Why(
+        "{primitive} is not in the autocast rules' low_precision set, so autocast does not "
+        "run it in float8 (its operands are {dtypes})",
+        "put it back in jaxmp.AutocastRules.low_precision"),
+    "operand": _Why(
+        "its operands are {dtypes}: a float8 product needs two floating-point operands, so "
+        "it runs in {compute}",
+        "convert that operand to a floating-point dtype in your code"),
+    "float8_operand": _Why(
+        "your code gives it one float8 operand ({dtypes}); autocast runs a product with a "
+        "float8 operand as written",
+        "give it both operands in float8, or neither"),
+    "custom_rule": _Why(
+        "it is inside a function with its own derivative rule ({rule}), which autocast runs "
+        "as written: its backward products run on {dtypes} operands",
+        "write that function without a custom derivative rule"),
+}
+
+
+class _Placed(NamedTuple):
+    """Where autocast runs one product: float8 forward / backward, or why not."""
+
+    forward: bool  # the product itself in float8
+    backward: bool  # its backward products in float8
+    why: str | None  # a key of ``_WIDER``; None: float8, or kept by the user's Float8Rules
+
+
+def _place(eqn, enclosing: tuple, rules: Any, float8_rules: Any) -> _Placed:
+    """Where autocast runs the product ``eqn`` under a float8 ``matmul_dtype``.
+
+    Autocast's own decision (:func:`float8.placement`), plus what the census
+    sees and autocast does not decide: a product inside a function with its
+    own derivative rule runs its backward as that rule is written.
+    """
+    scopes = [str(e.source_info.name_stack) for e in (*enclosing, eqn)]
+    why = float8.placement(eqn, "/".join(s for s in scopes if s), rules.low_precision,
+                           float8_rules)
+    if why == "float8_operand":  # written in float8 by the user: fine if both operands are
+        floats = [v.aval.dtype for v in eqn.invars[:2] if casting.is_float_dtype(v.aval.dtype)]
+        both = len(floats) == 2 and all(float8.is_float8_dtype(d) for d in floats)
+        return _Placed(both, both, None if both else why)
+    if why == "kept":
+        return _Placed(False, False, None)  # the user's Float8Rules keep it
+    if why is not None:
+        return _Placed(False, False, why)
+    if any(e.primitive.name in _CUSTOM_RULES for e in enclosing):
+        return _Placed(True, False, "custom_rule")
+    return _Placed(True, True, None)
+
+
+def _percent(share: float) -> str:
+    """``share`` as a percentage that reads 100% or 0% only when it is exactly that."""
+    text = f"{share:.0%}"
+    if text == "100%" and share < 1:
+        return ">99%"
+    if text == "0%" and share > 0:
+        return "<1%"
+    return text
+
+
+def warn_if_float8_shortfall(closed_jaxpr, rules: Any, float8_rules: Any, compute_dtype: Any,
+                             matmul_dtype: Any) -> bool:
+    """Warns when products of ``closed_jaxpr`` run wider than float8 for a reason of autocast's.
+
+    ``closed_jaxpr`` is the function autocast traced, with ``rules`` (a
+    :class:`jaxmp.AutocastRules`), ``float8_rules`` and the dtypes autocast
+    runs it with. Each product is placed as autocast places it; its backward
+    products (one per floating-point operand, as many FLOPs each) run in
+    float8 when the product does, except inside a function with its own
+    derivative rule, which autocast runs as written. Products that
+    ``float8_rules`` keeps are counted in the share but never reported.
+    Returns whether it warned; said once per first product (:func:`warn_once`).
+    """
+    total = in_float8 = wider = 0
+    first = None
+    for eqn, flops, enclosing in census(closed_jaxpr.jaxpr):
+        placed = _place(eqn, enclosing, rules, float8_rules)
+        n_floats = sum(casting.is_float_dtype(v.aval.dtype) for v in eqn.invars[:2])
+        backward = flops * n_floats
+        total += flops + backward
+        in_float8 += flops * placed.forward + backward * placed.backward
+        if placed.why is not None:
+            wider += flops * (not placed.forward) + backward * (not placed.backward)
+            if first is None:
+                first = (eqn, enclosing, placed.why)
+    if first is None:
+        return False
+    eqn, enclosing, why = first
+    custom = next((e for e in reversed(enclosing) if e.primitive.name in _CUSTOM_RULES), None)
+    says = _WIDER[why].says.format(
+        primitive=eqn.primitive.name,
+        dtypes=" x ".join(np.dtype(v.aval.dtype).name for v in eqn.invars[:2]),
+        compute=np.dtype(compute_dtype).name,
+        rule=_CUSTOM_RULES.get(custom.primitive.name, "") if custom is not None else "")
+    return warn_once(
+        (source.location_key(eqn, enclosing), why),
+        f"jaxmp: autocast with matmul_dtype={np.dtype(matmul_dtype).name} runs "
+        f"{_percent(in_float8 / total)} of the matrix-product FLOPs of this function in "
+        f"float8 (forward and backward products); {_percent(wider / total)} run wider for "
+        f"reasons other than your jaxmp.Float8Rules. The first is a {eqn.primitive.name} at "
+        f"{source.user_location(eqn, enclosing)}: {says}.\n"
+        f"  Fix: {_WIDER[why].fix}; or keep such products in the compute dtype on purpose "
+        "with jaxmp.Float8Rules (keep_scopes=, keep_if=, min_flops=), which also silences "
+        "this warning.",
+        Float8ShortfallWarning,
+    )

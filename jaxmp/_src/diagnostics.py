@@ -39,6 +39,16 @@ def _is_dynamic(x: Any) -> bool:
     return casting.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
+def _arrays(tree: PyTree) -> list:
+    """The array leaves of ``tree``: what a traced function may return.
+
+    A step's outputs may hold what is not a JAX type (an Equinox module
+    returned updated holds its activation function, a ``jax.custom_jvp``;
+    static fields; strings): the measures here need only the arrays.
+    """
+    return [x for x in jax.tree_util.tree_leaves(tree) if casting.is_array(x)]
+
+
 def saved_activation_bytes(
     fn: Callable, *args: Any, argnums: int | Sequence[int] = 0, has_aux: bool = False, **kwargs: Any
 ) -> int:
@@ -48,7 +58,9 @@ def saved_activation_bytes(
     ``args[argnums]`` under ``jax.eval_shape`` and sums the sizes of everything
     the resulting VJP closure holds (the residuals). Nothing is computed or
     allocated, so it is cheap even for large models, and it does not depend on
-    the backend. Arguments may be ``jax.ShapeDtypeStruct``.
+    the backend. Arguments may be ``jax.ShapeDtypeStruct``, and any pytree:
+    leaves that are not arrays (an Equinox module's functions, ``None``,
+    strings) are closed over, and those ``fn`` returns are dropped.
 
     Args:
         fn: the function, typically a loss ``fn(params, batch) -> scalar``.
@@ -83,7 +95,11 @@ def saved_activation_bytes(
             full = list(call_args)
             for i, chosen, (_, rest) in zip(nums, floats, parts):
                 full[i] = casting.combine(chosen, rest)
-            return fn(*full, **call_kwargs)
+            out = fn(*full, **call_kwargs)
+            if not has_aux:
+                return _arrays(out)
+            # Not a pair: jax.vjp says what has_aux=True expects.
+            return (_arrays(out[0]), out[1]) if isinstance(out, tuple) and len(out) == 2 else out
 
         out = jax.vjp(f, *(chosen for chosen, _ in parts), has_aux=has_aux)
         return out[1]
@@ -160,7 +176,10 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any
     Args:
         fn: any function, e.g. a whole training step.
         *args: its arguments (arrays, ``jax.ShapeDtypeStruct`` or any pytree;
-            non-array leaves are closed over).
+            non-array leaves, such as the functions and static fields of an
+            Equinox module, or ``None``, are closed over). ``fn`` may return
+            any pytree too (a model updated by a training step): only its
+            array leaves are kept.
         platform: the platform to lower for.
         **kwargs: keyword arguments.
 
@@ -178,7 +197,7 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any
 
     def call(dynamic):
         call_args, call_kwargs = casting.combine(dynamic, static)
-        return fn(*call_args, **call_kwargs)
+        return _arrays(fn(*call_args, **call_kwargs))
 
     with host.no_host_callbacks():  # host callbacks cannot be lowered for another platform
         lowered = jax.jit(call).trace(dynamic).lower(lowering_platforms=(platform,))

@@ -199,6 +199,38 @@ def product_of(eqn, scope: str) -> Product:
     return Product(eqn.primitive.name, lhs, rhs, 2 * macs, scope)
 
 
+def placement(eqn, scope: str, low_precision: Iterable[str], rules: Float8Rules) -> str | None:
+    """Whether :func:`jaxmp.autocast` with a float8 ``matmul_dtype`` runs ``eqn`` in float8.
+
+    The one decision, asked by autocast to run the product and by the
+    census (``jaxmp.Float8ShortfallWarning``) to explain it. Returns ``None``
+    when the product runs in float8, else why not:
+
+    * ``"float8_operand"``: the function gives it a float8 operand already; it
+      runs as written;
+    * ``"kept"``: the user's ``rules`` keep it in the compute dtype;
+    * ``"rules"``: its primitive is not in ``AutocastRules.low_precision``;
+    * ``"operand"``: it does not have two floating-point operands.
+
+    Args:
+        eqn: a ``dot_general`` or ``conv_general_dilated`` equation.
+        scope: the ``jax.named_scope`` path around it (see :class:`Product`).
+        low_precision: ``AutocastRules.low_precision``.
+        rules: the :class:`jaxmp.Float8Rules`.
+    """
+    dtypes = [np.dtype(v.aval.dtype) for v in eqn.invars]
+    floats = [d for d in dtypes if casting.is_float_dtype(d)]
+    if any(is_float8_dtype(d) for d in floats):
+        return "float8_operand"
+    if rules.keeps(product_of(eqn, scope)):
+        return "kept"
+    if eqn.primitive.name not in low_precision:
+        return "rules"
+    if len(floats) != 2 or len(dtypes) != 2:
+        return "operand"
+    return None
+
+
 # --- Scaling -----------------------------------------------------------------------------
 
 

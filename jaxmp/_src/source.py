@@ -62,25 +62,48 @@ def made_by_jaxmp(eqn, enclosing: Sequence[Any] = ()) -> bool:
     return bool(found) and in_jaxmp(found[0].file_name)
 
 
+def _user_frames(eqn, enclosing: Sequence[Any]) -> tuple[Any, Any]:
+    """``(where, called_from)`` frames of ``eqn`` (see :func:`locate`); ``None`` when unknown."""
+    found = [f for f in _found(eqn, enclosing) if not in_jaxmp(f.file_name)]
+    if not found:
+        return None, None
+    where = found[0]
+    if not in_library(where.file_name):
+        return where, None
+    for frame in found[1:]:
+        if not in_library(frame.file_name):
+            return where, frame
+    return where, None
+
+
 def locate(eqn, enclosing: Sequence[Any] = ()) -> tuple[str, str]:
     """``(where, called_from)`` for ``eqn``; inside a cached nested ``jit`` (``jnp.var``...)
     JAX may keep no user frame, and the innermost enclosing equation's location is used.
     ``where`` is the innermost frame outside jaxmp; ``called_from`` the first frame in the
     user's code when ``where`` is in a library ("" otherwise). jaxmp's own frames are
     never returned (for an operation jaxmp added, see :func:`made_by_jaxmp`)."""
-    found = [f for f in _found(eqn, enclosing) if not in_jaxmp(f.file_name)]
-    if not found:
+    where, called_from = _user_frames(eqn, enclosing)
+    if where is None:
         return "unknown", ""
-    where = found[0]
-    if not in_library(where.file_name):
-        return summary(where), ""
-    for frame in found[1:]:
-        if not in_library(frame.file_name):
-            return summary(where), summary(frame)
-    return summary(where), ""
+    return summary(where), summary(called_from) if called_from is not None else ""
 
 
 def user_location(eqn, enclosing: Sequence[Any] = ()) -> str:
     """The first place in the user's code that ``eqn`` comes from, for a message."""
     where, called_from = locate(eqn, enclosing)
     return called_from or where
+
+
+def location_key(eqn, enclosing: Sequence[Any] = ()) -> tuple:
+    """A hashable name of where ``eqn`` comes from, the same in every trace of the user's code.
+
+    The full paths, lines and functions of the frames :func:`locate` names; an
+    operation with no user frame is named by its primitive and operand dtypes
+    instead (not shapes, which change between traces). A loss re-created (a new
+    closure of the same code) and traced again, at new shapes or by another
+    tool, gives the same key.
+    """
+    named = [f for f in _user_frames(eqn, enclosing) if f is not None]
+    if named:
+        return tuple((os.path.abspath(f.file_name), f.start_line, f.function_name) for f in named)
+    return (eqn.primitive.name, tuple(str(v.aval.dtype) for v in eqn.invars))
