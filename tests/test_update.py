@@ -383,3 +383,14 @@ def test_select_tree_selects_numpy_and_python_numbers_and_checks_other_leaves():
     assert int(kept["step"]) == 0 and kept["a"].tolist() == [0.0, 0.0]
     with pytest.raises(ValueError, match="two different non-array leaves"):
         jaxmp.select_tree(jnp.asarray(True), {"f": "relu"}, {"f": "gelu"})
+
+
+def test_select_tree_type_change_names_the_path_and_the_fix():
+    new = {"layers": [{"w": jnp.ones(2)}], "n": jnp.ones(3, jnp.int32)}
+    old = {"layers": [{"w": jnp.ones(2, jnp.bfloat16)}], "n": jnp.ones(3, jnp.int32)}
+    with pytest.raises(ValueError, match=r"at \['layers'\]\[0\]\['w'\].*Make both bfloat16"):
+        jaxmp.select_tree(jnp.asarray(True), new, old)
+    # A shape change, or a change to a non-floating dtype: the path, and no cast to suggest.
+    with pytest.raises(ValueError, match=r"int32\[3\] \(the old one\) at \['n'\]") as info:
+        jaxmp.select_tree(jnp.asarray(False), {**old, "n": jnp.ones(3)}, old)
+    assert "astype" not in str(info.value)

@@ -154,11 +154,12 @@ def accumulate_value_and_grad(
             per micro-batch, pass one key per example (e.g.
             ``jax.random.split(key, batch_size)``) as part of the batch.
         no_cast_argnums: as in :func:`jaxmp.mp_value_and_grad`: arguments
-            passed to every micro-batch exactly as given, never cast.
+            passed whole to every micro-batch, never narrowed.
         has_aux: whether ``fn`` returns ``(loss, aux)``. The returned ``aux``
             stacks the micro-batch aux values along a new leading axis of size
             ``num_microbatches`` (floating leaves in float32 under mixed
-            precision).
+            precision, except state of ``no_cast_argnums`` returned updated,
+            in its own dtypes, as with :func:`jaxmp.mp_value_and_grad`).
         compute_dtype: ``jnp.float16`` (default), ``jnp.bfloat16`` or
             ``jnp.float32``.
         use_mixed_precision: ``False`` runs in float32 without scaling and
@@ -229,11 +230,12 @@ def accumulate_value_and_grad(
             )
         diff, rebuild, devices = step.differentiable(args, state)
         batch = _Batch(args, batch_positions, k)
+        views = step.traced_views(diff)
 
         def body(acc, micro_leaves):
             (_, (loss, aux)), grads = jax.value_and_grad(
                 lambda d: step.scaled_loss(state, batch.rebuild(rebuild(d), micro_leaves), kwargs),
-                has_aux=True)(diff)
+                has_aux=True)(views)
             acc = jax.tree_util.tree_map(lambda a, g: a + g.astype(a.dtype), acc, grads)
             return acc, (loss, aux)
 

@@ -31,6 +31,11 @@ def mp_value_and_grad(
        and convolutions in ``compute_dtype``, sums, normalisations, softmax and
        exp/log in float32, whatever dtypes the model's layers or the values
        the loss makes itself (a batch in a closure, noise drawn inside) have.
+       Every half-precision floating leaf of the arguments is handed to ``fn``
+       as an exact float32 view, so the user's code sees one dtype (a
+       bfloat16 weight meets float32 noise in a convolution that JAX would
+       refuse otherwise) while autocast runs the products in
+       ``compute_dtype``.
        With ``autocast=False`` it instead casts the floating-point leaves of
        all arguments to ``compute_dtype`` (integer arrays, keys and non-array
        leaves are left alone) and runs ``fn`` as written; if less than half of
@@ -52,8 +57,11 @@ def mp_value_and_grad(
     Such a loss also caps the loss scale at ``2**15``: the gradient of a
     float16 loss with respect to itself is the scale, in float16, and from
     ``2**16`` on it is ``inf``. Floating-point aux leaves come back in float32,
-    so state carried between steps (batch-norm statistics, Haiku state) keeps
-    its dtype.
+    except framework state returned updated: a subtree of ``aux`` with the
+    tree structure and leaf shapes of an argument in ``no_cast_argnums``
+    (Haiku's state, Flax's ``batch_stats``, an Equinox ``State``) comes back
+    in that argument's dtypes. State carried between steps keeps its dtype,
+    whatever batch it was initialised with.
 
     With ``use_mixed_precision=False`` the inputs are cast to float32, nothing
     is scaled and ``scaler_state`` is returned unchanged, with the same output
@@ -64,10 +72,12 @@ def mp_value_and_grad(
             ``has_aux=True``.
         argnums: which positional arguments to differentiate, as in
             ``jax.value_and_grad``.
-        no_cast_argnums: positional arguments passed to ``fn`` exactly as
-            given, never cast: framework state that must keep its precision,
-            such as Haiku's ``transform_with_state`` state or Flax's
-            ``batch_stats``. They cannot overlap ``argnums``.
+        no_cast_argnums: positional arguments never narrowed to the compute
+            dtype: framework state that must keep its precision, such as
+            Haiku's ``transform_with_state`` state or Flax's ``batch_stats``
+            (under autocast, their half-precision leaves are float32 views
+            like every input's). The state the loss returns updated in its
+            aux comes back in their dtypes. They cannot overlap ``argnums``.
         has_aux: whether ``fn`` returns ``(loss, aux)``.
         compute_dtype: ``jnp.float16`` (default), ``jnp.bfloat16`` or
             ``jnp.float32``.
@@ -126,7 +136,8 @@ def mp_value_and_grad(
         state = step.check_state(scaler_state)
         diff, rebuild, devices = step.differentiable(args, state)
         (_, (loss, aux)), grads = jax.value_and_grad(
-            lambda d: step.scaled_loss(state, rebuild(d), kwargs), has_aux=True)(diff)
+            lambda d: step.scaled_loss(state, rebuild(d), kwargs),
+            has_aux=True)(step.traced_views(diff))
         grads = step.unscale(state, grads, diff)
         return step.finish(loss, aux, grads, state, devices)
 

@@ -175,6 +175,57 @@ def prepare_call(fn: Callable, compute_dtype: Any, use_mixed_precision: bool, au
     return fn, compute_dtype
 
 
+def float32_views(tree: PyTree) -> PyTree:
+    """``tree`` with its half-precision floating array leaves converted (exactly) to float32.
+
+    Under autocast the loss is traced on these views: the user's code and its
+    framework's dtype checks (``lax.conv`` refuses a bfloat16 weight with
+    float32 noise) see one dtype, float32, and autocast still runs each
+    product in the compute dtype, converting the views back.
+    """
+    return jax.tree_util.tree_map(
+        lambda x: x.astype(casting.wide_dtype(x.dtype))
+        if casting.is_float_array(x) and casting.is_half_dtype(x.dtype) else x, tree)
+
+
+def returned_state_dtypes(aux: PyTree, states: Sequence[PyTree]) -> PyTree:
+    """``aux`` with its floating leaves in float32, except the framework state it returns.
+
+    A subtree of ``aux`` with the tree structure and leaf shapes of one of
+    ``states`` (the arguments in ``no_cast_argnums``: Haiku state, Flax
+    ``batch_stats``, an Equinox ``State``) is that state returned updated: its
+    floating leaves come back in the dtypes of the state passed in, so the new
+    state can replace the old one (``jaxmp.select_tree``, ``lax.scan``) whatever
+    dtype it was initialised in. Every other floating leaf comes back in float32.
+    """
+    templates = []
+    for s in states:
+        leaves, treedef = jax.tree_util.tree_flatten(s)
+        if leaves and not jax.tree_util.treedef_is_leaf(treedef):
+            templates.append((treedef, leaves))
+
+    def template_of(node):
+        leaves, treedef = jax.tree_util.tree_flatten(node)
+        for t_def, t_leaves in templates:
+            if treedef == t_def and all(np.shape(x) == np.shape(t)
+                                        for x, t in zip(leaves, t_leaves)):
+                return treedef, leaves, t_leaves
+        return None
+
+    def restore(node):
+        found = template_of(node)
+        if found is None:
+            return casting.cast_to_float32(node)
+        treedef, leaves, t_leaves = found
+        return jax.tree_util.tree_unflatten(treedef, [
+            x.astype(t.dtype) if casting.is_float_array(x) and casting.is_float_array(t) else x
+            for x, t in zip(leaves, t_leaves)])
+
+    if not templates:
+        return casting.cast_to_float32(aux)
+    return jax.tree_util.tree_map(restore, aux, is_leaf=lambda n: template_of(n) is not None)
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
     """The validated options of one jaxmp gradient function.
@@ -276,6 +327,19 @@ class Step:
 
         return diff, rebuild, devices
 
+    def traced_views(self, diff: PyTree) -> PyTree:
+        """What the loss is traced and differentiated on: float32 views of half-precision leaves.
+
+        Under autocast (the inputs are not cast), half-precision parameters
+        are handed to the loss as float32 views (exact), so that framework
+        code that checks dtypes, or a convolution of a bfloat16 weight with
+        float32 noise drawn inside the loss, sees one dtype; autocast still
+        runs the products in the compute dtype. The gradients are taken with
+        respect to the views, in float32, and :meth:`unscale` returns each in
+        its parameter's own dtype.
+        """
+        return diff if self.input_dtype is not None else float32_views(diff)
+
     def no_cast_positions(self, n_args: int) -> list[int]:
         return resolve_positions(self.no_cast_nums, n_args, "no_cast_argnums", self.no_cast_nums)
 
@@ -286,10 +350,16 @@ class Step:
         Floating inputs are cast to the compute dtype first, except the
         arguments in ``no_cast_argnums``. The loss is converted to float32
         *before* it is multiplied by the scale, so the product cannot overflow
-        float16; floating aux leaves come back in float32.
+        float16; floating aux leaves come back in float32, except the state of
+        ``no_cast_argnums`` returned updated (:func:`returned_state_dtypes`).
+        Under autocast, every half-precision floating leaf of the inputs is
+        handed to the loss as an exact float32 view (:func:`float32_views`).
         """
         args = list(args)
-        if self.input_dtype is not None:
+        states = [args[i] for i in self.no_cast_positions(len(args))]
+        if self.input_dtype is None:
+            args, kwargs = float32_views((args, kwargs))
+        else:
             keep = set(self.no_cast_positions(len(args)))
             cast = [a for i, a in enumerate(args) if i not in keep]
             cast, kwargs = casting.cast_tree((cast, kwargs), self.input_dtype)
@@ -318,7 +388,7 @@ class Step:
         loss = loss.astype(jnp.float32)
         if not self.use_mixed_precision:
             return loss, (loss, aux)
-        return loss_scale.scale(state, loss), (loss, casting.cast_to_float32(aux))
+        return loss_scale.scale(state, loss), (loss, returned_state_dtypes(aux, states))
 
     def unscale(self, state: loss_scale.ScalerState, grads: PyTree, diff: PyTree,
                 divisor: int = 1) -> PyTree:

@@ -425,19 +425,24 @@ def low_precision_optimizer(
 
 def _check_compensation(params: PyTree, compensation: PyTree) -> None:
     """Refuses parameters whose half-precision leaves do not match the Kahan buffer."""
-    def leaf(p, c):
+    def leaf(path, p, c):
         if _is_half(p) != (c is not None) or (c is not None and (
                 c.dtype != p.dtype or c.shape != p.shape)):
+            buffer = "no buffer" if c is None else f"a {c.dtype}{list(c.shape)} buffer"
             raise ValueError(
                 "jaxmp.low_precision_optimizer: the parameters do not match the Kahan "
-                "compensation buffer made by init (a parameter's dtype or shape changed since, "
-                f"e.g. {getattr(p, 'dtype', p)}{list(np.shape(p))} against "
-                f"{getattr(c, 'dtype', c)}). Call init on parameters in the dtypes they are "
-                "trained in.")
+                "compensation buffer made by init: the parameter at "
+                f"{jax.tree_util.keystr(path) or 'the root'} is "
+                f"{getattr(p, 'dtype', p)}{list(np.shape(p))}, and init made {buffer} for it "
+                "(init saw it in another dtype or shape, e.g. float32 parameters cast to "
+                "bfloat16 after init). Call init on the parameters in the dtypes they are "
+                "trained in: tx.init(jaxmp.cast_to_bfloat16(params)); with flax's TrainState, "
+                "TrainState.create(apply_fn=..., params=jaxmp.cast_to_bfloat16(params), tx=tx).")
         return None
 
     try:
-        jax.tree_util.tree_map(leaf, params, compensation, is_leaf=lambda x: x is None)
+        jax.tree_util.tree_map_with_path(leaf, params, compensation,
+                                         is_leaf=lambda x: x is None)
     except (ValueError, TypeError) as e:
         if "Kahan" in str(e):
             raise

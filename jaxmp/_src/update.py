@@ -31,7 +31,8 @@ def select_tree(pred: Any, on_true: PyTree, on_false: PyTree) -> PyTree:
     selected with ``jnp.where``, which copies the chosen value bit for bit (no
     arithmetic touches it). Other leaves must be equal in both trees
     (``ValueError`` otherwise) and are taken from ``on_false`` as they are;
-    ``None`` leaves stay ``None``.
+    ``None`` leaves stay ``None``. Two array leaves must have the same dtype
+    and shape: ``ValueError`` otherwise, naming the leaf's path.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -43,7 +44,7 @@ def select_tree(pred: Any, on_true: PyTree, on_false: PyTree) -> PyTree:
     pred = loss_scale.check_finite_flag(pred)
     arrays, numbers = (jax.Array, np.ndarray, np.generic), (int, float, complex)
 
-    def leaf(t, f):
+    def leaf(path, t, f):
         if isinstance(t, numbers) and isinstance(f, numbers) and t == f:
             return f  # a setting (an Equinox module's dropout rate): kept as it is
         if isinstance(t, arrays + numbers) or isinstance(f, arrays + numbers):
@@ -51,19 +52,35 @@ def select_tree(pred: Any, on_true: PyTree, on_false: PyTree) -> PyTree:
             # starts as a Python int, as flax's TrainState.create makes it).
             t, f = jnp.asarray(t), jnp.asarray(f)
             if t.dtype != f.dtype or t.shape != f.shape:
-                raise ValueError(
-                    f"Cannot select between leaves of type {t.dtype}{list(t.shape)} and "
-                    f"{f.dtype}{list(f.shape)}: the update changed a leaf's type."
-                )
+                raise ValueError(_changed_leaf_message(path, t, f))
             return jnp.where(pred, t, f)
         if t is not f and t != f:
             raise ValueError(
-                f"Cannot select between two different non-array leaves, {t!r} and {f!r}: "
-                "select_tree picks arrays; every other leaf must be the same in both trees."
+                f"Cannot select between two different non-array leaves at "
+                f"{jax.tree_util.keystr(path) or 'the root'}, {t!r} and {f!r}: select_tree "
+                "picks arrays; every other leaf must be the same in both trees."
             )
         return f
 
-    return jax.tree_util.tree_map(leaf, on_true, on_false)
+    return jax.tree_util.tree_map_with_path(leaf, on_true, on_false)
+
+
+def _changed_leaf_message(path: Any, new: jax.Array, old: jax.Array) -> str:
+    """Why ``select_tree`` cannot pick between two leaves of different types, and the fix."""
+    where = jax.tree_util.keystr(path) or "the root"
+    message = (
+        f"Cannot select between leaves of type {new.dtype}{list(new.shape)} (the new value) and "
+        f"{old.dtype}{list(old.shape)} (the old one) at {where}: the update changed a leaf's "
+        "type, and a value carried between steps must keep it.")
+    if new.shape == old.shape and casting.is_float_dtype(new.dtype) and casting.is_float_dtype(
+            old.dtype):
+        message += (
+            f" Make both {old.dtype}: create the old value in the dtype the step returns "
+            "(initialise framework state, e.g. Haiku's or Flax's batch statistics, from a "
+            "float32 batch or cast it with jaxmp.cast_to_float32; initialise the optimizer on "
+            "the parameters in the dtype they are trained in), or cast the new value back "
+            "with jax.tree.map(lambda n, o: n.astype(o.dtype), new, old).")
+    return message
 
 
 def _warn_update_not_finite() -> None:
