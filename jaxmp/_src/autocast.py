@@ -58,6 +58,7 @@ from jax.extend import core as jex_core
 
 from jaxmp._src import casting
 from jaxmp._src import census
+from jaxmp._src import compat
 from jaxmp._src import float8
 from jaxmp._src import interpret
 
@@ -669,7 +670,8 @@ def _recomputed_late(fn: Callable, policy: Callable) -> Callable:
     one makes the gradients non-finite, as it would anyway.
 
     Reverse-mode only (``jax.custom_vjp``): forward-mode differentiation of
-    the result raises.
+    the result raises (autocast does not tie regions under forward mode, see
+    :func:`autocast`).
     """
     remat = jax.checkpoint(fn, policy=policy)
 
@@ -753,9 +755,24 @@ def _eval_with_regions(closed, args, policy) -> list:
                     local[v] = x
             return [local[v] for v in outputs]
 
-        outs = _recomputed_late(run_region, policy)(*[env[v] for v in inputs])
+        try:
+            outs = _recomputed_late(run_region, policy)(*[env[v] for v in inputs])
+        except TypeError as e:
+            if "forward-mode" not in str(e):
+                raise
+            raise TypeError(_FORWARD_MODE_MESSAGE) from e
         env.update(zip(outputs, outs))
     return [read(v) for v in jaxpr.outvars]
+
+
+_FORWARD_MODE_MESSAGE = (
+    "jaxmp.autocast: forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian) reached a "
+    "float32 region that autocast recomputes in the backward pass (recompute_float32=True, the "
+    "default for a half-precision compute_dtype). That recomputation is a jax.custom_vjp, which "
+    "JAX differentiates in reverse mode only (jax.grad, jax.vjp).\n"
+    "  Fix: jaxmp.autocast(fn, compute_dtype, recompute_float32=False) for a function "
+    "differentiated in forward mode: it keeps the float32 intermediates instead of recomputing "
+    "them (more memory in the backward pass, the same values).")
 
 
 def autocast(
@@ -836,9 +853,14 @@ def autocast(
     elementwise operations and the region's sums, never a matrix product:
     what is kept for the backward pass is then all half precision, for some
     more work in the backward pass. The regions are ``jax.custom_vjp``
-    functions, so the result supports reverse-mode differentiation only
-    (``grad``, ``vjp``); ``recompute_float32=False`` keeps the float32
-    intermediates instead and supports ``jax.jvp`` too.
+    functions, which JAX differentiates in reverse mode only; when autocast
+    sees its inputs differentiated in forward mode (``jax.jvp``,
+    ``jax.jacfwd``, ``jax.hessian``, also under ``jit``) it evaluates that
+    trace as with ``recompute_float32=False`` (the same values; forward mode
+    has no backward pass to save memory in). The one case it cannot see is
+    ``jax.jvp`` of a ``jax.jit``-wrapped autocast function, which raises
+    JAX's error: put the ``jit`` outside the ``jvp``, or pass
+    ``recompute_float32=False``.
 
     The result is an ordinary function: ``jit``, ``vmap`` and ``grad`` work on
     it, its outputs have the dtypes ``fn`` gives them, gradients with respect
@@ -926,7 +948,9 @@ def autocast(
             outs = interpreter.eval_jaxpr(closed.jaxpr, flat[:len(consts)], flat[len(consts):])
             return [interpreter.to_original(o, a) for o, a in zip(outs, out_avals)]
 
-        if recompute:
+        # Forward mode (jax.jvp, jacfwd, hessian) cannot go through the custom_vjp that ties
+        # the recomputation to the cotangent; it has no backward pass to save memory in.
+        if recompute and not compat.in_forward_mode(dyn):
             program = jax.make_jaxpr(run)(*consts, *dyn)
             return _eval_with_regions(
                 program, [*consts, *dyn], _recompute_policy(rules.low_precision))

@@ -59,6 +59,31 @@ def varying_axes(x: Any) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))  # jax <= 0.8
 
 
+def in_forward_mode(values: Any) -> bool:
+    """Whether some value of ``values`` is being differentiated in forward mode.
+
+    ``jax.jvp``, ``jax.jacfwd`` and ``jax.hessian`` trace with JAX's forward-mode
+    tracer (``JVPTracer``); ``jax.grad``, ``jax.vjp`` and ``jax.linearize`` trace
+    with its linearize tracer. The tracer of each value is followed through
+    the tracers that wrap it (``vmap``'s, and the linearize tracer of
+    forward-over-reverse). Private: the tracer classes are recognised by
+    name, and a JAX release that renamed them gives ``False`` (autocast then
+    raises its forward-mode message instead of adapting).
+    """
+    for x in jax.tree_util.tree_leaves(values):
+        seen = 0
+        while isinstance(x, jax.core.Tracer) and seen < 64:
+            if type(x).__name__ == "JVPTracer":
+                return True
+            inner = None
+            for attr in ("primal", "val"):  # JVP/linearize tracers; vmap's BatchTracer
+                inner = getattr(x, attr, None)
+                if inner is not None:
+                    break
+            x, seen = inner, seen + 1
+    return False
+
+
 class Frame(NamedTuple):
     """A source location, with the fields of JAX's private ``Frame`` that jaxmp reads."""
 
