@@ -218,16 +218,20 @@ def test_shard_map_fsdp_matches_float32_reference(mesh, accumulate):
     assert bool(finite)
 
 
+FSDP_TP_SPECS = {"w1": P("data", "model"), "w2": P(("data", "model"), None), "b": P()}
+
+
+def _fsdp_tp_loss(params, x, y):
+    """FSDP along "data" (weights gathered) and tensor parallel along "model" (summed)."""
+    w1 = jax.lax.all_gather(params["w1"], "data", tiled=True)
+    w2 = jax.lax.all_gather(params["w2"], "data", tiled=True)
+    pred = jax.lax.psum(jnp.tanh(x @ w1) @ w2, "model") + params["b"]
+    return jnp.mean((pred[:, 0] - y).astype(jnp.float32) ** 2)
+
+
 def test_shard_map_fsdp_on_two_dimensional_mesh(mesh2d):
     """FSDP along "data" and tensor parallel along "model" at once."""
-    specs = {"w1": P("data", "model"), "w2": P(("data", "model"), None), "b": P()}
-
-    def loss_fn(params, x, y):
-        w1 = jax.lax.all_gather(params["w1"], "data", tiled=True)
-        w2 = jax.lax.all_gather(params["w2"], "data", tiled=True)
-        pred = jax.lax.psum(jnp.tanh(x @ w1) @ w2, "model") + params["b"]
-        return jnp.mean((pred[:, 0] - y).astype(jnp.float32) ** 2)
-
+    specs, loss_fn = FSDP_TP_SPECS, _fsdp_tp_loss
     params, x, y = _tp_setup()
     # w2 rows are split over "data" and "model": reorder so that model shard m, data shard d
     # holds the rows of w1's columns in model shard m.
@@ -462,7 +466,8 @@ def test_jit_reduce_dtype_moves_xla_all_reduce_to_float32(make):
     assert bool(finite)
 
 
-def test_shard_map_fsdp_reduce_dtype_moves_reduce_scatter_to_float32(mesh):
+@pytest.mark.parametrize("autocast", [True, False])
+def test_shard_map_fsdp_reduce_dtype_moves_reduce_scatter_to_float32(mesh, autocast):
     params, x, y = _tp_setup()
     scaler = jaxmp.init_scaler(initial_scale=2.0**10)
     out = {}
@@ -473,9 +478,9 @@ def test_shard_map_fsdp_reduce_dtype_moves_reduce_scatter_to_float32(mesh):
         assert bool(finite)
 
         def body(p, x, y, s, rd=rd):
-            # The cast path casts the shards before the gather (autocast gathers float32).
+            # Both paths gather the shards in float16 (autocast narrows before the gather).
             return jaxmp.mp_value_and_grad(_fsdp_loss, axis_name="data", reduce_dtype=rd,
-                                           autocast=False)(
+                                           autocast=autocast)(
                 p, x, y, scaler_state=s)[1]
 
         fn = jax.shard_map(body, mesh=mesh, in_specs=(FSDP_SPECS, P("data"), P("data"), P()),
@@ -548,3 +553,98 @@ def test_all_finite_alone_reduces_over_every_mesh_axis_and_checks_names(mesh2d):
     assert bool(jaxmp.all_finite(jnp.ones(3)))  # outside shard_map: nothing to reduce
     with pytest.raises(ValueError, match="'data' is not bound here"):
         jaxmp.all_finite(jnp.ones(3), axis_name="data")
+
+
+# --- Collective bytes: the default moves no more than the cast path ------------------------------
+
+
+def _collective_bytes(compiled_hlo: str) -> dict:
+    """Bytes per device each collective kind moves (payload), from compiled HLO, by kind."""
+    from benchmarks.collectives import count_collectives  # pylint: disable=g-import-not-at-top
+
+    totals: dict = {}
+    for key, counted in count_collectives(compiled_hlo, NUM).items():
+        kind = key.split()[0]
+        totals[kind] = totals.get(kind, 0) + counted["payload_bytes"]
+    return totals
+
+
+def _layout_step(layout, mesh, mesh2d, autocast):
+    """A compiled float16 jaxmp step of ``layout`` (HLO text), default or cast path."""
+    params, x, y = _tp_setup()
+    scaler = jaxmp.init_scaler(initial_scale=2.0**10)
+
+    def put_tree(tree, specs, m):
+        return {k: jax.device_put(v, NamedSharding(m, specs[k])) for k, v in tree.items()}
+
+    if layout == "jit_named_sharding_fsdp":
+        fn = jaxmp.mp_value_and_grad(_full_loss, autocast=autocast)
+        batch = {"x": P("data"), "y": P("data")}
+        data = put_tree({"x": x, "y": y}, batch, mesh)
+        args = (put_tree(params, FSDP_SPECS, mesh), data["x"], data["y"], scaler)
+        step = jax.jit(lambda p, x, y, s: fn(p, x, y, scaler_state=s))
+        return step.lower(*args).compile().as_text()
+    m, loss, specs = ((mesh, _fsdp_loss, FSDP_SPECS) if layout == "shard_map_fsdp"
+                      else (mesh2d, _fsdp_tp_loss, FSDP_TP_SPECS))
+    fn = jaxmp.mp_value_and_grad(loss, axis_name="data", autocast=autocast)
+    body = jax.shard_map(lambda p, x, y, s: fn(p, x, y, scaler_state=s), mesh=m,
+                         in_specs=(specs, P("data"), P("data"), P()),
+                         out_specs=(P(), specs, P(), P()))
+    return jax.jit(body).lower(put_tree(params, specs, m), x, y, scaler).compile().as_text()
+
+
+@pytest.mark.parametrize("layout", ["shard_map_fsdp", "shard_map_fsdp_tp_2d",
+                                    "jit_named_sharding_fsdp"])
+def test_default_moves_no_more_collective_bytes_than_the_cast_path(mesh, mesh2d, layout):
+    """Under the default, a parameter the loss gathers for a product is gathered in float16,
+    and its gradient reduce-scattered in float16, as on the cast path: all-gather,
+    reduce-scatter and all-reduce bytes (compiled HLO, 4 devices) within 2% of the cast path's."""
+    default = _collective_bytes(_layout_step(layout, mesh, mesh2d, autocast=True))
+    cast = _collective_bytes(_layout_step(layout, mesh, mesh2d, autocast=False))
+    assert set(default) <= set(cast), (default, cast)
+    for kind, moved in default.items():
+        assert moved <= 1.02 * cast[kind], (layout, kind, default, cast)
+    if layout.startswith("shard_map"):
+        assert cast["all-gather"] > 0 and cast["reduce-scatter"] > 0
+
+
+def test_a_gathered_value_that_reaches_float32_work_is_gathered_wide(mesh):
+    """Only a value that feeds products alone is narrowed before its collective: one that
+    also reaches a float32 sum moves in float32, and the loss keeps its float32 digits."""
+
+    def loss(params, x, y):
+        w1 = jax.lax.all_gather(params["w1"], "data", tiled=True)
+        reg = jnp.sum(w1 ** 2)  # float32 work on the gathered value
+        return jnp.mean((jnp.tanh(x @ w1)[:, 0] - y) ** 2) + 1e-3 * reg
+
+    params, x, y = _tp_setup()
+    params = {"w1": params["w1"]}
+    specs = {"w1": P("data", None)}
+    fn = jaxmp.mp_value_and_grad(loss, axis_name="data")
+    body = jax.shard_map(lambda p, x, y, s: fn(p, x, y, scaler_state=s)[0], mesh=mesh,
+                         in_specs=(specs, P("data"), P("data"), P()), out_specs=P())
+    hlo = jax.jit(body).lower(params, x, y, jaxmp.init_scaler()).compile().as_text()
+    assert _collective_types(hlo, "all-gather", "8,8") == {"f32"}
+
+
+def test_tensor_parallel_forward_sums_once_in_the_dtype_chosen(mesh2d):
+    """The forward psum of partial products runs once (a float32 region around it does not
+    recompute it in the backward pass), in the products' dtype by default and in float32 when
+    the user's AutocastRules take psum out of ``passthrough`` (reduce_dtype governs gradient
+    sums only)."""
+    params, x, y = _tp_setup()
+    rules = jaxmp.AutocastRules(
+        passthrough=jaxmp.autocast.PASSTHROUGH - {"psum", "psum_invariant"})
+    wide = jaxmp.autocast(_fsdp_tp_loss, jnp.float16, rules=rules)
+    params = {k: jax.device_put(v, NamedSharding(mesh2d, FSDP_TP_SPECS[k]))
+              for k, v in params.items()}
+    for loss, dtype in ((_fsdp_tp_loss, "f16"), (wide, "f32")):
+        fn = jaxmp.mp_value_and_grad(loss, axis_name="data")
+        body = jax.shard_map(lambda p, x, y, s, fn=fn: fn(p, x, y, scaler_state=s), mesh=mesh2d,
+                             in_specs=(FSDP_TP_SPECS, P("data"), P("data"), P()),
+                             out_specs=(P(), FSDP_TP_SPECS, P(), P()))
+        hlo = jax.jit(body).lower(params, x, y, jaxmp.init_scaler()).compile().as_text()
+        sums = [line for line in hlo.splitlines()
+                if " all-reduce(" in line and "[8,1]" in line.split(" all-reduce(")[0]]
+        assert len(sums) == 1, sums  # one forward sum, not recomputed
+        assert _collective_types(hlo, "all-reduce", "8,1") == {dtype}

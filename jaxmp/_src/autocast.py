@@ -101,6 +101,15 @@ PASSTHROUGH = frozenset({
     "optimization_barrier", "name", "sharding_constraint", "mesh_cast", "reshard",
     "device_put", "psum", "pmax", "pmin", "ppermute", "all_gather", "all_to_all",
     "psum_scatter", "reduce_scatter", "pbroadcast", "pvary", "pcast", "sort",
+    # What shard_map binds for psum / all_gather under its varying-axes types (check_vma).
+    "psum_invariant", "all_gather_invariant", "ragged_all_to_all",
+})
+
+# Collectives that communicate: their results are always saved for the backward pass,
+# never recomputed (a recomputed collective would move its bytes twice).
+_COMMUNICATING = frozenset({
+    "psum", "psum_invariant", "pmax", "pmin", "ppermute", "all_gather", "all_gather_invariant",
+    "all_to_all", "ragged_all_to_all", "psum_scatter", "reduce_scatter",
 })
 
 _RULE_FIELDS = ("low_precision", "full_precision", "follow", "passthrough", "bounded")
@@ -269,6 +278,59 @@ def _narrow_safe(closed, rules: "AutocastRules") -> frozenset:
     return frozenset(needed)
 
 
+# Collectives that move a value between devices unchanged (no arithmetic).
+_MOVING = frozenset({"all_gather", "all_gather_invariant", "ppermute", "all_to_all"})
+# Operations that move a value's elements around on one device, no arithmetic.
+_MOVEMENT = frozenset({"broadcast_in_dim", "reshape", "expand_dims", "squeeze", "transpose",
+                       "slice", "dynamic_slice", "rev", "copy", "copy_p", "pvary", "pcast",
+                       "sharding_constraint", "mesh_cast", "reshard"})
+
+
+def _narrow_early(closed, rules: "AutocastRules") -> frozenset:
+    """The results of moving collectives that can move in the compute dtype.
+
+    An ``all_gather``, ``ppermute`` or ``all_to_all`` whose result reaches,
+    through data movement only (``_MOVEMENT``), nothing but ``low_precision``
+    operations (the matrix products, which narrow their operands to the
+    compute dtype anyway) can move its operand already narrowed: the same
+    values, half the bytes. This is what FSDP needs: a float32 parameter
+    shard that the loss all-gathers for a product is gathered in the compute
+    dtype, as the cast path gathers it, and the gradient's reduce-scatter
+    (the gather's transpose) then runs in the compute dtype too. A result
+    that reaches anything else (a float32 region, an output, a loop) is
+    moved as it is. Returned as the collectives' output variables (sub-jaxprs
+    included).
+    """
+    found: set = set()
+
+    def walk(jaxpr):
+        users: dict = {}
+        for e in jaxpr.eqns:
+            for v in e.invars:
+                if not isinstance(v, jex_core.Literal):
+                    users.setdefault(v, []).append(e)
+        outputs = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+        memo: dict = {}
+
+        def only_narrowed(v) -> bool:
+            if v not in memo:
+                uses = users.get(v, [])
+                memo[v] = bool(uses) and v not in outputs and all(
+                    e.primitive.name in rules.low_precision
+                    or (e.primitive.name in _MOVEMENT and all(map(only_narrowed, e.outvars)))
+                    for e in uses)
+            return memo[v]
+
+        for e in jaxpr.eqns:
+            if e.primitive.name in _MOVING and all(map(only_narrowed, e.outvars)):
+                found.update(e.outvars)
+            for inner, _ in census.sub_jaxprs(e):
+                walk(inner)
+
+    walk(closed.jaxpr)
+    return frozenset(found)
+
+
 # Operations that pass a value on unchanged but for its shape (or its rounding).
 _RESHAPING = frozenset({"broadcast_in_dim", "reshape", "expand_dims", "squeeze", "stop_gradient",
                         "copy", "copy_p", "convert_element_type"})
@@ -369,7 +431,7 @@ class _Autocast(interpret.Interpreter):
     def __init__(self, compute_dtype: np.dtype, rules: AutocastRules, keep: frozenset = frozenset(),
                  matmul_dtype: np.dtype | None = None,
                  float8_rules: float8.Float8Rules = float8.Float8Rules(),
-                 shifted: frozenset = frozenset()):
+                 shifted: frozenset = frozenset(), narrow_early: frozenset = frozenset()):
         super().__init__()
         self.compute_dtype = compute_dtype
         self.rules = rules
@@ -377,6 +439,7 @@ class _Autocast(interpret.Interpreter):
         self.shifted = shifted  # exp equations to run in compute_dtype (``_shifted_exps``)
         self.matmul_dtype = matmul_dtype  # a float8 dtype, or None: products in compute_dtype
         self.float8_rules = float8_rules
+        self.narrow_early = narrow_early  # collectives that move in compute_dtype (``_narrow_early``)
         self._scopes: list[str] = []  # name stacks of the equations being evaluated
         self._casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
 
@@ -545,6 +608,13 @@ class _Autocast(interpret.Interpreter):
             return outs, [kind if casting.is_float_dtype(o.dtype) else _PLAIN for o in outs]
 
         if name in rules.passthrough:
+            if name in _MOVING and eqn.outvars[0] in self.narrow_early:
+                # Moved in the compute dtype: only products read it (``_narrow_early``).
+                invals = [self.cast(invals[i], self.compute_dtype)
+                          if i in floats and np.dtype(invals[i].dtype).itemsize
+                          > np.dtype(self.compute_dtype).itemsize else invals[i]
+                          for i in range(len(invals))]
+                return interpret.bind(eqn, invals), [_PLAIN] * nout
             outs = interpret.bind(eqn, invals)
             if len(outs) == len(invals):
                 return outs, list(kinds)
@@ -579,8 +649,8 @@ def _recompute_policy(low: frozenset) -> Callable:
 
     Float32 intermediates of the autocast program (sums, exponentials,
     normalisation statistics, ...) are then recomputed in the backward pass
-    from the half-precision values around them; matrix products are always
-    saved, never recomputed. The sums are recomputed too (one more pass over
+    from the half-precision values around them; matrix products and
+    collectives (``_COMMUNICATING``) are always saved, never recomputed. The sums are recomputed too (one more pass over
     a region's input): a saved statistic would let XLA schedule what is
     computed from it in the forward pass, in float32 (see
     ``_recomputed_late``).
@@ -589,7 +659,7 @@ def _recompute_policy(low: frozenset) -> Callable:
     always = low | LOW_PRECISION
 
     def policy(prim, *avals, **params):
-        if prim.name in always:
+        if prim.name in always or prim.name in _COMMUNICATING:
             return True
         for key in ("new_dtype", "dtype"):
             if key in params and params[key] is not None:
@@ -940,8 +1010,11 @@ def autocast(
                                             matmul_dtype)
         out_avals = closed.out_avals
         keep = _narrow_safe(closed, rules)
+        # Under float8 the products quantize their operands from float32: a collective
+        # narrowed to compute_dtype first would round twice, so it moves as written.
+        early = _narrow_early(closed, rules) if matmul_dtype is None else frozenset()
         interpreter = _Autocast(compute_dtype, rules, keep, matmul_dtype, float8_rules,
-                                _shifted_exps(closed, keep))
+                                _shifted_exps(closed, keep), early)
         consts = list(closed.consts)
 
         def run(*flat):

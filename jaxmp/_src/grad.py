@@ -103,7 +103,10 @@ def mp_value_and_grad(
             ``jnp.float32``: all of them in float32 (matrix products then give
             their gradients in float32 before the cast back; twice the
             traffic of float16). ``jnp.bfloat16``/``jnp.float16``: jaxmp's
-            own sums in that dtype too, halving their traffic.
+            own sums in that dtype too, halving their traffic. Gradient sums
+            only: the forward ``psum`` of partial products under tensor
+            parallelism runs in the compute dtype (``docs/multi_device.md``
+            shows how to run it in float32).
         matmul_dtype: with ``autocast=True``, ``jnp.float8_e4m3fn`` runs the
             matrix products in float8 (``jaxmp.autocast``'s ``matmul_dtype``);
             ``None`` (default): in ``compute_dtype``.
