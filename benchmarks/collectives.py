@@ -117,31 +117,41 @@ def build(devices: int, width: int, depth: int, batch: int):
     fsdp = put(params, P("data"))
     steps = {}
 
-    def jit_step(params, reduce_dtype, mixed=True):
-        # The cast-inputs path (autocast=False): its collectives are those of a step whose
-        # parameters are cast before the model sees them, as the figures in README describe.
+    def jit_step(params, reduce_dtype, mixed=True, autocast=False):
+        # autocast=False: the cast-inputs path, whose parameters are cast before the model
+        # sees them; autocast=True: jaxmp's default.
         fn = jaxmp.mp_value_and_grad(mlp, reduce_dtype=reduce_dtype, use_mixed_precision=mixed,
-                                     autocast=False)
+                                     autocast=autocast)
         return jax.jit(lambda p, x, y, s: fn(p, x, y, scaler_state=s)), (params, xs, ys, scaler)
 
-    def shard_map_step(gather, reduce_dtype):
+    def shard_map_step(gather, reduce_dtype, autocast=False):
         fn = jaxmp.mp_value_and_grad(lambda p, x, y: mlp(p, x, y, gather), axis_name="data",
-                                     reduce_dtype=reduce_dtype, autocast=False)
+                                     reduce_dtype=reduce_dtype, autocast=autocast)
         spec = P("data") if gather else P()
         body = jax.shard_map(lambda p, x, y, s: fn(p, x, y, scaler_state=s), mesh=mesh,
                              in_specs=(spec, P("data"), P("data"), P()),
                              out_specs=(P(), spec, P(), P()))
         return jax.jit(body), (fsdp if gather else replicated, xs, ys, scaler)
 
-    steps[("float32", "-")] = jit_step(replicated, None, mixed=False)
-    for name, rd in (("none", None), ("float32", jnp.float32)):
-        steps[("jit_dp", name)] = jit_step(replicated, rd)
-        steps[("jit_fsdp", name)] = jit_step(fsdp, rd)
-    for name, rd in (("none", None), ("float32", jnp.float32), ("bfloat16", jnp.bfloat16),
-                     ("float16", jnp.float16)):
-        steps[("shard_map_dp", name)] = shard_map_step(False, rd)
-        steps[("shard_map_fsdp", name)] = shard_map_step(True, rd)
+    steps[("float32", "-", "-")] = jit_step(replicated, None, mixed=False)
+    for path, autocast in (("cast", False), ("default", True)):
+        for name, rd in (("none", None), ("float32", jnp.float32)):
+            steps[("jit_dp", name, path)] = jit_step(replicated, rd, autocast=autocast)
+            steps[("jit_fsdp", name, path)] = jit_step(fsdp, rd, autocast=autocast)
+        for name, rd in (("none", None), ("float32", jnp.float32), ("bfloat16", jnp.bfloat16),
+                         ("float16", jnp.float16)):
+            steps[("shard_map_dp", name, path)] = shard_map_step(False, rd, autocast)
+            steps[("shard_map_fsdp", name, path)] = shard_map_step(True, rd, autocast)
     return steps
+
+
+def bytes_by_kind(counted: dict) -> dict:
+    """Payload bytes per collective kind (all dtypes together) from :func:`count_collectives`."""
+    totals: dict = {}
+    for key, v in counted.items():
+        kind = key.split()[0]
+        totals[kind] = totals.get(kind, 0) + v["payload_bytes"]
+    return totals
 
 
 def main(argv=None) -> int:
@@ -161,12 +171,13 @@ def main(argv=None) -> int:
         return 1
 
     results = []
-    for (mode, reduce_dtype), (fn, fn_args) in build(
+    for (mode, reduce_dtype, path), (fn, fn_args) in build(
             args.devices, args.width, args.depth, args.batch).items():
         lowered = fn.lower(*fn_args)
         row = {
             "mode": mode,
             "reduce_dtype": reduce_dtype,
+            "path": path,
             "emitted": count_collectives(lowered.as_text(dialect="hlo"), args.devices),
             "compiled": count_collectives(lowered.compile().as_text(), args.devices),
         }
@@ -177,13 +188,27 @@ def main(argv=None) -> int:
     print(f"# Collectives per training step ({machine})")
     print(f"# MLP {args.depth} x {args.width}, batch {args.batch}, float16 compute, "
           "float32 parameters")
-    print(f"{'mode':16} {'reduce_dtype':12} {'HLO':9} {'collective':20} {'bufs':>4} "
+    print(f"{'mode':16} {'reduce_dtype':12} {'path':8} {'HLO':9} {'collective':20} {'bufs':>4} "
           f"{'payload B':>11} {'ring B/dev':>11}")
     for row in results:
         for which in ("emitted", "compiled"):
             for key, v in row[which].items():
-                print(f"{row['mode']:16} {row['reduce_dtype']:12} {which:9} {key:20} "
-                      f"{v['buffers']:>4} {v['payload_bytes']:>11} {v['ring_bytes']:>11}")
+                print(f"{row['mode']:16} {row['reduce_dtype']:12} {row['path']:8} {which:9} "
+                      f"{key:20} {v['buffers']:>4} {v['payload_bytes']:>11} "
+                      f"{v['ring_bytes']:>11}")
+    # The default (autocast) against the cast path, per collective kind (compiled HLO).
+    by = {(r["mode"], r["reduce_dtype"], r["path"]): bytes_by_kind(r["compiled"])
+          for r in results}
+    print(f"\n{'mode':16} {'reduce_dtype':12} {'collective':16} {'cast B':>11} "
+          f"{'default B':>11} {'default/cast':>12}")
+    for (mode, rd, path), cast in by.items():
+        if path != "cast":
+            continue
+        default = by[(mode, rd, "default")]
+        for kind in sorted(set(cast) | set(default)):
+            c, d = cast.get(kind, 0), default.get(kind, 0)
+            ratio = f"{d / c:.3f}" if c else "-"
+            print(f"{mode:16} {rd:12} {kind:16} {c:>11} {d:>11} {ratio:>12}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "collectives.json")

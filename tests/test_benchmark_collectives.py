@@ -32,7 +32,10 @@ def test_small_run_shows_float32_reductions_at_twice_the_bytes(tmp_path):
                     "--width", "16", "--depth", "2", "--batch", "8"],
                    cwd=ROOT, check=True, timeout=240, capture_output=True)
     results = json.loads((tmp_path / "collectives.json").read_text())["results"]
-    rows = {(r["mode"], r["reduce_dtype"]): r["compiled"] for r in results}
+    rows = {(r["mode"], r["reduce_dtype"]): r["compiled"] for r in results
+            if r["path"] in ("cast", "-")}
+    default = {(r["mode"], r["reduce_dtype"]): r["compiled"] for r in results
+               if r["path"] == "default"}
     before, after = rows[("jit_dp", "none")], rows[("jit_dp", "float32")]
     assert before["all-reduce f16"]["buffers"] == 3  # one per weight matrix (depth 2 + output), float16
     assert "all-reduce f16" not in after
@@ -41,3 +44,9 @@ def test_small_run_shows_float32_reductions_at_twice_the_bytes(tmp_path):
     fsdp = rows[("shard_map_fsdp", "float32")]
     assert "reduce-scatter f32" in fsdp and "reduce-scatter f16" not in fsdp
     assert "reduce-scatter f16" in rows[("shard_map_fsdp", "none")]
+    # The default moves no more than the cast path, per collective kind (float16 compute).
+    for key, cast in rows.items():
+        if key in default:
+            got, want = collectives.bytes_by_kind(default[key]), collectives.bytes_by_kind(cast)
+            for kind, moved in got.items():
+                assert moved <= 1.02 * want.get(kind, 0), (key, kind, got, want)
