@@ -40,6 +40,8 @@ from jaxmp._src.nonfinite import Finding
 from jaxmp._src.nonfinite import NonfiniteReport
 from jaxmp._src.policy import get_policy
 from jaxmp._src.policy import Policy
+from jaxmp._src.report import precision_report
+from jaxmp._src.report import PrecisionReport
 from jaxmp._src.update import optimizer_update
 from jaxmp._src.update import select_tree
 
@@ -77,6 +79,8 @@ __all__ = (
     "NonfiniteReport",
     "optimizer_update",
     "Policy",
+    "precision_report",
+    "PrecisionReport",
     "scale",
     "saved_activation_bytes",
     "scaler_for",

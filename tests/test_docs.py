@@ -34,7 +34,7 @@ PAGES = {
 }
 # Pages whose code a test file of their own runs and checks, as user code (under
 # standard promotion), rather than these tests: page -> that file.
-RUN_BY = {"recipes.md": "test_recipes.py"}
+RUN_BY = {"recipes.md": "test_recipes.py", "precision_report.md": "test_report.py"}
 # Pages whose code ends with a gradient step that returned `finite`.
 # Pages that train bfloat16 parameters, with no float32 copy.
 BFLOAT16_PARAMS = {"low_precision.md"}

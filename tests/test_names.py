@@ -20,7 +20,9 @@ _PRODUCT = ("dot_general", "conv_general_dilated", "convolution")
 
 
 def _layer_path(name: str) -> str:
-    return "/".join(p for p in name.split("/") if not _WRAPPER.match(p))
+    """The layer path of an op name, marked ``backward:`` for a product of the backward pass."""
+    path = "/".join(p for p in name.split("/") if not _WRAPPER.match(p))
+    return ("backward:" if "transpose(" in name else "forward:") + path
 
 
 def _product_paths(names) -> set:
@@ -136,8 +138,9 @@ def test_the_layer_paths_reach_the_compiled_programs_op_names():
     Flax layers and the user's named_scope, forward and backward, as the float32 step does."""
     reference, _, params, x = _steps("linen", {})
     expected = _compiled_names(reference, params, x)
-    assert {"stem/conv_general_dilated", "my_scope/hidden/dot_general",
-            "head/dot_general"} <= {p.replace("_LinenNet/", "") for p in expected}
+    assert {"forward:stem/conv_general_dilated", "forward:my_scope/hidden/dot_general",
+            "forward:head/dot_general", "backward:head/dot_general"} <= {
+                p.replace("_LinenNet/", "") for p in expected}
     for variant in ("default", "float8"):
         _, step, _, _ = _steps("linen", VARIANTS[variant])
         got = _compiled_names(step, params, x)

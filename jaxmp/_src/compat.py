@@ -33,6 +33,11 @@ try:  # Private: only for user_frames, which has a fallback.
 except ImportError:  # pragma: no cover (a JAX release that moved it)
     _private_source_info = None
 
+try:  # Private: only for without_dead_code, which has a fallback.
+    from jax._src.interpreters.partial_eval import dce_jaxpr as _private_dce_jaxpr
+except ImportError:  # pragma: no cover (a JAX release that moved it)
+    _private_dce_jaxpr = None
+
 
 def bind_params(primitive: Any, params: Mapping[str, Any]) -> tuple[list, dict]:
     """``(subfuns, params)`` with which to call ``primitive.bind(*subfuns, *args, **params)``."""
@@ -57,6 +62,18 @@ def varying_axes(x: Any) -> frozenset:
     if manual is not None:
         return frozenset(manual.varying)
     return frozenset(getattr(aval, "vma", ()))  # jax <= 0.8
+
+
+def without_dead_code(jaxpr: Any) -> Any:
+    """``jaxpr`` (an open ``Jaxpr``) without the equations no output depends on.
+
+    What lowering drops: a custom_vjp's primal computation under ``grad``,
+    unused values. Private (JAX's ``dce_jaxpr``); a JAX release without it
+    gives ``jaxpr`` unchanged.
+    """
+    if _private_dce_jaxpr is None:  # pragma: no cover
+        return jaxpr
+    return _private_dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0]
 
 
 def in_forward_mode(values: Any) -> bool:

@@ -1,0 +1,549 @@
+"""Where precision goes, layer by layer: ``precision_report``.
+
+The step is traced once (``jax.make_jaxpr``; nothing is lowered, compiled or
+run) and every matrix product and convolution of the program, nested ones
+included, is counted under its *layer path*: the name stack it carries
+(``jax.named_scope``, Flax and Haiku module paths, Equinox's) with JAX's
+transformation wrappers (``jvp(...)``, ``transpose(...)``, ``vmap(...)``)
+taken off. A product whose name stack holds ``transpose(`` belongs to the
+backward pass. Each product that does not run in the requested precision is
+explained from what the program shows around it (``_why``), in the words of
+the float8 warning's table (``census._WIDER``) where it has them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import textwrap
+from typing import Any, Callable, NamedTuple
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+from jaxmp._src import casting
+from jaxmp._src import census
+from jaxmp._src import compat
+from jaxmp._src import diagnostics
+from jaxmp._src import float8
+from jaxmp._src import source
+
+
+# Name-stack entries JAX adds itself (transformations, control flow, checkpoints).
+_JAX_SCOPES = re.compile(r"^(jit|pjit|jvp|transpose|vmap|checkpoint|remat|rematted_computation"
+                         r"|while|cond|scan|body|branch|closed_call|custom_jvp_call"
+                         r"|custom_vjp_call|shard_map|xmap|pmap)$")
+_WRAPPED = re.compile(r"^(\w+)\((.*)\)$")
+# Operations that move or convert a value without computing a new one: followed back to
+# find where a wide operand comes from.
+_MOVES = frozenset({"convert_element_type", "reshape", "broadcast_in_dim", "transpose", "squeeze",
+                    "expand_dims", "copy", "copy_p", "slice", "dynamic_slice"})
+# Equations whose one inner jaxpr takes their operands and gives their results as they are.
+_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint",
+                    "custom_jvp_call", "custom_vjp_call"})
+
+
+# Why a product is not in the requested precision, by reason, for the reasons census._WIDER
+# (the float8 warning's table) does not know or says in float8's terms; the others
+# (a float8 operand, a custom derivative rule; with a float8 matmul_dtype, the autocast
+# rules) are said in its words (``_explain``).
+_REASONS = {
+    "kept": census._Why(
+        "it runs in {compute}: your jaxmp.Float8Rules keep it there (a named scope in "
+        "keep_scopes, min_flops or keep_if), or it is outside the function autocast runs "
+        "with matmul_dtype",
+        "drop it from the rules to run it in float8"),
+    "operand": census._Why(
+        "its operands are {dtypes}: only floating-point products run in a lower precision",
+        "convert that operand to a floating-point dtype in your code"),
+    "rules": census._Why(
+        "autocast runs it as written, in the dtypes your program gives it ({dtypes}): "
+        "{primitive} is not in the autocast rules' low_precision set",
+        "put it back in jaxmp.AutocastRules.low_precision"),
+    "user": census._Why(
+        "its operands are {dtypes}, made by your code{origin}",
+        "run the step under autocast (mp_value_and_grad's default), or cast that value "
+        "(e.g. the layer's dtype=) to {compute}"),
+}
+# Where a wide operand made by the user's code comes from, when the program shows it.
+_ORIGINS = {
+    "closure": ": a value captured by a closure (a batch or weight the step does not take "
+               "as an argument), which casting the arguments does not reach",
+    "argument": ": an argument of the step that reaches the product uncast",
+    "computed": ": a {wide} result of an earlier operation {where}, which JAX's type "
+                "promotion carries into this product",
+    "converted": ": converted to {wide} {where} (a layer with dtype=jnp.{wide}, or a "
+                 "cast in your code)",
+    None: " (a layer with dtype=jnp.float32, nnx.Embed, a batch captured by a closure, "
+          "float32 noise from jax.random inside the loss)",
+}
+
+
+class LayerFlops(NamedTuple):
+    """The matrix-product and convolution FLOPs of one layer path in one pass.
+
+    Attributes:
+        layer: the layer path (``"Net/Conv_0"``; ``""`` for products with no
+            name at all).
+        phase: ``"forward"`` or ``"backward"``.
+        flops: FLOPs by operand dtype, as :func:`jaxmp.matmul_flops` names them
+            (``"bfloat16"``, ``"float32"``, ``"float8_e4m3fn+float8_e5m2"``,
+            ``"mixed"``...).
+    """
+
+    layer: str
+    phase: str
+    flops: dict
+
+
+class Wider(NamedTuple):
+    """Products of one layer path that do not run in the requested precision, and why.
+
+    Attributes:
+        layer: the layer path.
+        phase: ``"forward"`` or ``"backward"``.
+        dtype: their operand dtype key (as in :class:`LayerFlops`).
+        flops: their FLOPs.
+        reason: why: ``"kept"`` (your :class:`jaxmp.Float8Rules`), ``"user"``
+            (an operand your code made: a layer with its own dtype, a value
+            captured by a closure), ``"operand"`` / ``"float8_operand"`` /
+            ``"custom_rule"`` (not supported: a non-floating operand, one float8
+            operand, a function with its own derivative rule) or ``"rules"``
+            (the autocast rules leave the primitive out of ``low_precision``).
+        says: the reason in words.
+        fix: what to change to run them in the requested precision.
+        where: the user's file and line (``"model.py:12 (Net.__call__)"``).
+    """
+
+    layer: str
+    phase: str
+    dtype: str
+    flops: int
+    reason: str
+    says: str
+    fix: str
+    where: str
+
+
+class PrecisionReport(NamedTuple):
+    """What :func:`precision_report` found. ``print`` it for a table; :meth:`plot` draws it.
+
+    Attributes:
+        layers: ``LayerFlops(layer, phase, flops)`` named tuples, one per
+            layer path and pass (``"forward"``, ``"backward"``), forward pass
+            first, each in program order; ``flops`` maps operand dtype keys
+            (those of :func:`jaxmp.matmul_flops`) to FLOPs.
+        wider: ``Wider(layer, phase, dtype, flops, reason, says, fix, where)``
+            named tuples, one per layer path, pass, dtype and reason whose
+            products are not in the requested precision; ``reason`` is
+            ``"user"`` (an operand your code made wider), ``"kept"`` (your
+            :class:`jaxmp.Float8Rules`), ``"rules"`` (left out of the autocast
+            rules' ``low_precision``), ``"operand"``, ``"float8_operand"`` or
+            ``"custom_rule"`` (not supported); ``where`` is your file and line.
+        requested: the precision asked for (``"bfloat16"``, ``"float8"``, or
+            ``"half precision"`` when no dtype was given).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jaxmp
+        >>> def f(w, x):
+        ...     return jnp.sum(x @ w)
+        >>> report = jaxmp.precision_report(f, jnp.ones((8, 8)), jnp.ones((4, 8)))
+        >>> report.totals
+        {'float32': 512}
+        >>> report.wider[0].reason, report.wider[0].phase
+        ('user', 'forward')
+    """
+
+    layers: tuple
+    wider: tuple
+    requested: str
+
+    @property
+    def totals(self) -> dict:
+        """FLOPs by operand dtype over all layers (the keys of :func:`jaxmp.matmul_flops`)."""
+        totals: dict = {}
+        for row in self.layers:
+            for key, value in row.flops.items():
+                totals[key] = totals.get(key, 0) + value
+        return totals
+
+    def table(self) -> str:
+        """The FLOPs by layer path, pass and dtype, then the products not in ``requested``."""
+        keys = sorted(self.totals, key=lambda k: (-self.totals[k], k))
+        rows = [("layer", "pass", *keys)]
+        for row in self.layers:
+            rows.append((row.layer or "(unnamed)", row.phase,
+                         *(_count(row.flops[k]) if k in row.flops else "-" for k in keys)))
+        rows.append(("total", "", *(_count(self.totals[k]) for k in keys)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                           for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
+        total = sum(self.totals.values())
+        wide = sum(w.flops for w in self.wider)
+        head = (f"precision report: {_count(total)} matrix-product FLOPs, "
+                f"{census._percent(1 - wide / total) if total else '0%'} in {self.requested}")
+        out = [head, "", *lines]
+        if self.wider:
+            out += ["", f"Not in {self.requested}:"]
+            merged: dict = {}  # forward and backward products said once
+            for w in self.wider:
+                key = (w.layer, w.dtype, w.reason, w.says, w.fix, w.where)
+                merged.setdefault(key, []).append(w)
+            for ws in merged.values():
+                w = ws[0]
+                phases = " and ".join(x.phase for x in ws)
+                out.append(f"  {w.layer or '(unnamed)'}, {phases}: "
+                           f"{_count(sum(x.flops for x in ws))} FLOPs in {w.dtype} at {w.where}")
+                out += textwrap.wrap(w.says + ".", 96, initial_indent="    ",
+                                     subsequent_indent="    ")
+                out += textwrap.wrap(f"Fix: {w.fix}.", 96, initial_indent="    ",
+                                     subsequent_indent="      ")
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def plot(self, path: str | None = None):
+        """FLOPs by layer path and dtype as stacked horizontal bars (forward and backward apart).
+
+        Needs matplotlib (imported here, not by jaxmp). Saves the figure to
+        ``path`` when one is given; returns the ``matplotlib.figure.Figure``.
+        """
+        try:
+            from matplotlib.figure import Figure
+        except ImportError as e:
+            raise ImportError("PrecisionReport.plot needs matplotlib: pip install matplotlib "
+                              "(the report itself does not; print it for a table).") from e
+        keys = sorted(self.totals, key=lambda k: (-self.totals[k], k))
+        labels = [f"{r.layer or '(unnamed)'} ({r.phase[:3]})" for r in self.layers]
+        fig = Figure(figsize=(8, 1.5 + 0.3 * len(labels)), layout="constrained")
+        ax = fig.add_subplot()
+        left = np.zeros(len(labels))
+        positions = np.arange(len(labels))[::-1]
+        for key in keys:
+            values = np.array([r.flops.get(key, 0) for r in self.layers], dtype=float)
+            ax.barh(positions, values, left=left, label=key)
+            left += values
+        ax.set_yticks(positions, labels)
+        ax.set_xlabel("FLOPs (matrix products and convolutions)")
+        ax.set_title(f"FLOPs by layer and operand dtype (requested: {self.requested})")
+        ax.legend()
+        if path is not None:
+            fig.savefig(path)
+        return fig
+
+
+def _count(n: int) -> str:
+    """``n`` with three significant digits and a unit (``1.31M``); exact below 10,000."""
+    if n < 10_000:
+        return str(n)
+    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)  # pragma: no cover
+
+
+# --- Layer paths ----------------------------------------------------------------------------
+
+
+def _unwrap(part: str) -> str:
+    """A name-stack entry without JAX's wrappers: ``transpose(jvp(Net))`` gives ``Net``."""
+    while True:
+        found = _WRAPPED.match(part)
+        if found is None or not _JAX_SCOPES.match(found.group(1)):
+            break
+        part = found.group(2)
+    return "" if _JAX_SCOPES.match(part) else part
+
+
+def _name_stack(eqn, enclosing: tuple) -> str:
+    return "/".join(s for s in (str(e.source_info.name_stack) for e in (*enclosing, eqn)) if s)
+
+
+def layer_path(name_stack: str) -> str:
+    """The user's layer path in a name stack (``jvp(Net)/Dense_0`` gives ``Net/Dense_0``)."""
+    return "/".join(p for p in (_unwrap(p) for p in name_stack.split("/")) if p)
+
+
+# --- What a product is, and why ---------------------------------------------------------------
+
+
+def _dtype_key(eqn) -> str:
+    """The operand dtype key of a product, as :func:`jaxmp.matmul_flops` names it."""
+    names = [np.dtype(v.aval.dtype).name for v in eqn.invars[:2]]
+    if names[0] == names[1]:
+        return names[0]
+    if all(float8.is_float8_dtype(v.aval.dtype) for v in eqn.invars[:2]):
+        return "+".join(sorted(names))
+    return "mixed"
+
+
+def _in_requested(key: str, compute: np.dtype | None, matmul: np.dtype | None) -> bool:
+    if matmul is not None:
+        return diagnostics._is_float8_key(key)
+    if compute is not None:
+        return key == compute.name
+    return key in diagnostics._HALF_NAMES or diagnostics._is_float8_key(key)
+
+
+class _Program:
+    """The products of a traced step, with what produced each value (to explain them)."""
+
+    def __init__(self, closed):
+        # Dead code is dropped, as lowering drops it (matmul_flops counts the lowered program).
+        self.jaxpr = jaxpr = compat.without_dead_code(closed.jaxpr)
+        self.producer: dict = {}  # var -> (eqn, enclosing)
+        self.same: dict = {}  # a var -> the var of another jaxpr it stands for (jit, checkpoint)
+        self.cast_by_autocast: set = set()  # the primitives of products autocast casts
+        self.origin: dict = {v: "closure" for v in jaxpr.constvars}
+        self.origin.update({v: "argument" for v in jaxpr.invars})
+        for eqn, _, enclosing in census.walk(jaxpr):
+            for v in eqn.outvars:
+                self.producer[v] = (eqn, enclosing)
+            inner = [j for j, _ in census.sub_jaxprs(eqn)]
+            for j in inner:  # the constants of a nested jit: what its function closed over
+                self.origin.update({v: "closure" for v in j.constvars})
+            if eqn.primitive.name in census._PRODUCTS and self.autocast_converts(eqn):
+                self.cast_by_autocast.add(eqn.primitive.name)
+            if len(inner) == 1 and eqn.primitive.name in _CALLS:
+                (inner,) = inner
+                if len(inner.invars) == len(eqn.invars):
+                    self.same.update(zip(inner.invars, eqn.invars))
+                if len(inner.outvars) == len(eqn.outvars):
+                    self.same.update(zip(eqn.outvars, inner.outvars))
+
+    def _sources(self, v, depth: int = 0):
+        """Where ``v`` is moved or converted from: ``(eqn, enclosing)`` pairs, and
+        ``("closure", None)`` or ``("argument", None)`` for an input of the program."""
+        while depth < 64 and not isinstance(v, jex_core.Literal):
+            depth += 1
+            if v in self.origin:
+                yield self.origin[v], None
+                return
+            if v in self.same:
+                v = self.same[v]
+                continue
+            found = self.producer.get(v)
+            if found is None:
+                return
+            eqn, enclosing = found
+            if eqn.primitive.name == "convert_element_type" and not source.made_by_jaxmp(
+                    eqn, enclosing) and _widens(eqn):
+                yield "converted", found
+                return
+            if eqn.primitive.name not in _MOVES:
+                yield "computed", found
+                return
+            v = eqn.invars[0]
+
+    def autocast_converts(self, eqn) -> list:
+        """The conversions autocast made of the operands of ``eqn`` (right before it)."""
+        found = [self.producer.get(v) for v in eqn.invars[:2]]
+        return [f[0] for f in found if f is not None and f[0].primitive.name ==
+                "convert_element_type" and _made_by_autocast(*f)]
+
+    def origin_of(self, eqn) -> tuple[str | None, str]:
+        """Where the widest operand of ``eqn`` comes from: ``("closure", "")``,
+        ``("argument", "")``, ``("converted", where)`` or ``(None, "")`` when unseen."""
+        width = max(np.dtype(v.aval.dtype).itemsize for v in eqn.invars[:2])
+        kinds = {}
+        for v in eqn.invars[:2]:
+            if np.dtype(v.aval.dtype).itemsize == width:
+                for kind, found in self._sources(v):
+                    kinds.setdefault(kind, found)
+        for kind in ("closure", "argument", "computed", "converted"):
+            if kind in kinds:
+                return kind, source.user_location(*kinds[kind]) if kinds[kind] else ""
+        return None, ""
+
+
+def _made_by_autocast(eqn, enclosing: tuple) -> bool:
+    """Whether ``eqn`` was added by autocast itself (a conversion of an operand)."""
+    found = source._found(eqn, enclosing)
+    return bool(found) and source.in_jaxmp(found[0].file_name) and os.path.basename(
+        found[0].file_name) == "autocast.py"
+
+
+def _widens(eqn) -> bool:
+    """Whether a ``convert_element_type`` makes its operand wider."""
+    return (np.dtype(eqn.params["new_dtype"]).itemsize
+            > np.dtype(eqn.invars[0].aval.dtype).itemsize)
+
+
+def _why(program: _Program, eqn, enclosing: tuple, name_stack: str, key: str,
+         compute: np.dtype | None, matmul: np.dtype | None) -> str:
+    """The reason (a key of ``_REASONS``) a product is not in the requested precision."""
+    dtypes = [v.aval.dtype for v in eqn.invars[:2]]
+    if not all(casting.is_float_dtype(d) for d in dtypes):
+        return "operand"
+    if any(float8.is_float8_dtype(d) for d in dtypes):
+        return "float8_operand"
+    # A custom_vjp's backward rule is traced inside its own transpose: transpose(...(transpose(.
+    if (any(e.primitive.name in census._CUSTOM_RULES for e in enclosing)
+            or name_stack.count("transpose(") > 1):
+        return "custom_rule"
+    if matmul is not None and (key == compute.name if compute is not None
+                               else key in diagnostics._HALF_NAMES):
+        return "kept"
+    # Autocast casts the operands of the products it runs in the compute dtype; one it runs as
+    # written gets operands converted back to the program's dtypes, or none at all.
+    if any(_widens(c) for c in program.autocast_converts(eqn)) or (
+            program.cast_by_autocast and eqn.primitive.name not in program.cast_by_autocast):
+        return "rules"
+    return "user"
+
+
+def _explain(why: str, eqn, enclosing: tuple, program: _Program, compute: np.dtype | None,
+             matmul: np.dtype | None) -> tuple[str, str]:
+    """What to say of a product not in the requested precision, and the fix."""
+    dtypes = " x ".join(np.dtype(v.aval.dtype).name for v in eqn.invars[:2])
+    custom = [e.primitive.name for e in enclosing if e.primitive.name in census._CUSTOM_RULES]
+    fields = dict(primitive=eqn.primitive.name, dtypes=dtypes,
+                  compute=compute.name if compute is not None else "half precision",
+                  rule=census._CUSTOM_RULES[custom[-1]] if custom else "jax.custom_vjp",
+                  origin="")
+    if why == "user":
+        kind, where = program.origin_of(eqn)
+        same = where == source.user_location(eqn, enclosing)
+        where = "on that line" if same else f"at {where}"
+        wide = max((np.dtype(v.aval.dtype) for v in eqn.invars[:2]), key=lambda d: d.itemsize)
+        fields["origin"] = _ORIGINS[kind].format(wide=wide.name, where=where)
+    if why not in _REASONS or (matmul is not None and why == "rules"):
+        row = census._WIDER[why]
+    else:
+        row = _REASONS[why]
+    return row.says.format(**fields), row.fix.format(**fields)
+
+
+class _Product(NamedTuple):
+    """One product of the traced step, as the report sees it."""
+
+    layer: str
+    phase: str
+    key: str  # the operand dtype key
+    flops: int
+    eqn: Any
+    enclosing: tuple
+    stack: str  # the full name stack
+    line: tuple  # source.location_key
+
+
+def _products(program: _Program) -> list[_Product]:
+    """The products of the step, forward pass first, each pass in program order."""
+    found = []
+    for eqn, flops, enclosing in census.census(program.jaxpr):
+        stack = _name_stack(eqn, enclosing)
+        found.append(_Product(layer_path(stack), "backward" if "transpose(" in stack else "forward",
+                              _dtype_key(eqn), flops, eqn, enclosing, stack,
+                              source.location_key(eqn, enclosing)))
+    # JAX traces some rules (a custom_vjp's forward: float8 products) outside the user's
+    # scopes: such a product takes the path of the named products of its source line.
+    named: dict = {}
+    for p in found:
+        if p.layer:
+            named.setdefault(p.line, p.layer)
+    found = [p if p.layer else p._replace(layer=named.get(p.line, "")) for p in found]
+    return sorted(found, key=lambda p: p.phase == "backward")  # stable
+
+
+def _report(closed, compute: np.dtype | None, matmul: np.dtype | None) -> PrecisionReport:
+    program = _Program(closed)
+    layers: dict = {}  # (layer, phase) -> FLOPs by dtype key
+    wider: dict = {}  # (layer, phase, key, reason, where) -> Wider
+    forward: dict = {}  # (source line, dtype key) -> (reason, (says, fix)) of a forward product
+    for p in _products(program):
+        counts = layers.setdefault((p.layer, p.phase), {})
+        counts[p.key] = counts.get(p.key, 0) + p.flops
+        if _in_requested(p.key, compute, matmul):
+            continue
+        if p.phase == "backward" and (p.line, p.key) in forward:
+            why, says = forward[p.line, p.key]  # the transpose of a wide product: same reason
+        else:
+            why = _why(program, p.eqn, p.enclosing, p.stack, p.key, compute, matmul)
+            says = _explain(why, p.eqn, p.enclosing, program, compute, matmul)
+            if p.phase == "forward":
+                forward.setdefault((p.line, p.key), (why, says))
+        place = (p.layer, p.phase, p.key, why, source.user_location(p.eqn, p.enclosing))
+        if place in wider:
+            wider[place] = wider[place]._replace(flops=wider[place].flops + p.flops)
+        else:
+            wider[place] = Wider(*place[:3], p.flops, why, *says, place[-1])
+    if matmul is not None:
+        requested = "float8"
+    else:
+        requested = compute.name if compute is not None else "half precision"
+    return PrecisionReport(
+        tuple(LayerFlops(layer, phase, flops) for (layer, phase), flops in layers.items()),
+        tuple(wider.values()), requested)
+
+
+def precision_report(fn: Callable, *args: Any, compute_dtype: Any = None,
+                     matmul_dtype: Any = None, **kwargs: Any) -> PrecisionReport:
+    """Per layer, the matrix-product FLOPs of a step by dtype, and why some are wider.
+
+    ``fn`` (a training step, or a loss) is traced with the given arguments
+    (``jax.make_jaxpr``: nothing is lowered, compiled or run), and each matrix
+    product and convolution, nested ones included, is counted under its layer
+    path: the names around it (``jax.named_scope``, Flax and Haiku module
+    paths, Equinox's), forward and backward products apart (a backward product
+    is the transpose of a forward one; it keeps the forward product's names).
+    FLOPs are ``2 *`` multiply-adds, by operand dtype as
+    :func:`jaxmp.matmul_flops` names them, with the same totals (except
+    inside a ``scan``, counted here once per iteration).
+
+    Each product not in the requested precision is listed with the line of
+    your code it comes from and why: kept by your :class:`jaxmp.Float8Rules`;
+    an operand your code made wider (a layer with ``dtype=jnp.float32``, a
+    batch captured by a closure, an argument that is not cast); not
+    supported (an integer operand, a function with its own derivative rule,
+    run as written); or left out of the autocast rules' ``low_precision``.
+
+    Args:
+        fn: any function, e.g. a whole training step, jitted or not.
+        *args: its arguments (arrays, ``jax.ShapeDtypeStruct`` or any pytree;
+            non-array leaves, such as an Equinox module's functions or
+            ``None``, are closed over). ``fn`` may return any pytree.
+        compute_dtype: the precision the products should run in
+            (``jnp.bfloat16``, ``jnp.float16``); ``None``: either of them.
+        matmul_dtype: a float8 dtype when the step runs its products in
+            float8 (``autocast(..., matmul_dtype=...)``): products not in
+            float8 are then listed.
+        **kwargs: keyword arguments of ``fn`` (``scaler_state=``...).
+
+    Returns:
+        A :class:`jaxmp.PrecisionReport`: ``print`` it for a table, or read
+        its ``layers``, ``wider`` and ``totals``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> import jaxmp
+        >>> def loss_fn(w, x):
+        ...     with jax.named_scope("encoder"):
+        ...         h = jnp.tanh(x @ w)
+        ...     return jnp.mean(h ** 2)
+        >>> step = jaxmp.mp_value_and_grad(loss_fn, compute_dtype=jnp.bfloat16)
+        >>> w, x = jnp.ones((16, 16)), jnp.ones((8, 16))
+        >>> report = jaxmp.precision_report(step, w, x, scaler_state=jaxmp.noop_scaler(),
+        ...                                 compute_dtype=jnp.bfloat16)
+        >>> [(row.layer, row.phase, row.flops) for row in report.layers]
+        [('encoder', 'forward', {'bfloat16': 4096}), ('encoder', 'backward', {'bfloat16': 4096})]
+        >>> report.wider
+        ()
+    """
+    compute = None
+    if compute_dtype is not None:
+        compute = casting.canonical_float_dtype(compute_dtype, allowed=casting.COMPUTE_DTYPES,
+                                                what="compute_dtype")
+    matmul = None
+    if matmul_dtype is not None:
+        matmul = float8.check_matmul_dtype(matmul_dtype, compute if compute is not None
+                                           else np.dtype("float32"))
+    dynamic, static = casting.partition((args, kwargs), diagnostics._is_dynamic)
+
+    def call(dynamic):
+        call_args, call_kwargs = casting.combine(dynamic, static)
+        return diagnostics._arrays(fn(*call_args, **call_kwargs))
+
+    return _report(jax.make_jaxpr(call)(dynamic), compute, matmul)
