@@ -150,7 +150,8 @@ def make_step(model: Model, variant: str) -> tuple[Callable, Callable]:
     return init, step
 
 
-def _shares(flops: dict[str, int]) -> dict[str, float]:
+def share_totals(flops: dict[str, int]) -> dict[str, float]:
+    """Total, float8 and low-precision (float8, bfloat16, float16) FLOPs of ``matmul_flops`` counts."""
     total = sum(flops.values())
     float8 = sum(v for k, v in flops.items() if all(p.startswith("float8") for p in k.split("+")))
     low = float8 + flops.get("bfloat16", 0) + flops.get("float16", 0)
@@ -162,8 +163,8 @@ def static_figures(model: Model, variant: str) -> tuple[dict, Any, Any]:
     loss = autocast_loss(model, variant)
     init, step = make_step(model, variant)
     state = init(model.params)
-    fwd = _shares(jaxmp.matmul_flops(loss, model.params, *model.batch))
-    both = _shares(jaxmp.matmul_flops(step, state, *model.batch))
+    fwd = share_totals(jaxmp.matmul_flops(loss, model.params, *model.batch))
+    both = share_totals(jaxmp.matmul_flops(step, state, *model.batch))
     bwd = {k: both[k] - fwd[k] for k in fwd}
     row = {
         "matmul_flops_cuda": jaxmp.matmul_flops(step, state, *model.batch),

@@ -51,6 +51,7 @@ import optax
 import jaxmp
 from benchmarks import vit as vit_bench
 from benchmarks.float8 import digits_batches
+from benchmarks.float8 import share_totals
 
 VARIANTS = ("float32", "bfloat16", "float8")
 MODELS = ("flax_linen_resnet", "haiku_resnet", "equinox_convnet")
@@ -222,13 +223,6 @@ def make_step(net: Net, variant: str, learning_rate: float = 3e-4) -> tuple[Call
     return init, step
 
 
-def _shares(flops: dict[str, int]) -> dict[str, float]:
-    total = sum(flops.values())
-    float8 = sum(v for k, v in flops.items() if all(p.startswith("float8") for p in k.split("+")))
-    low = float8 + flops.get("bfloat16", 0) + flops.get("float16", 0)
-    return {"total": total, "float8": float8, "low": low}
-
-
 def flop_shares(net: Net, variant: str, images, labels) -> dict[str, Any]:
     """Float8 and low-precision shares of the forward pass, the backward pass and the step."""
     init, step = make_step(net, variant)
@@ -237,9 +231,9 @@ def flop_shares(net: Net, variant: str, images, labels) -> dict[str, Any]:
     else:
         matmul_dtype = jnp.float8_e4m3fn if variant == "float8" else None
         loss = jaxmp.autocast(net.loss, jnp.bfloat16, matmul_dtype=matmul_dtype)
-    fwd = _shares(jaxmp.matmul_flops(loss, net.params, net.state, images, labels))
+    fwd = share_totals(jaxmp.matmul_flops(loss, net.params, net.state, images, labels))
     flops = jaxmp.matmul_flops(step, init(net.params, net.state), images, labels)
-    both = _shares(flops)
+    both = share_totals(flops)
     bwd = {k: both[k] - fwd[k] for k in fwd}
     share = lambda part, key: part[key] / part["total"] if part["total"] else 0.0
     return {"matmul_flops_cuda": flops,
