@@ -32,8 +32,8 @@ precision. They are narrowed at the operands of a matrix product, at a
 (divided by a statistic, or multiplied by the reciprocal of one: a softmax,
 a layer norm) unless something downstream needs their float32 digits
 (``_narrow_safe``). With ``recompute_float32`` each connected float32 region
-is recomputed in the backward pass instead of saved
-(``_eval_with_regions``).
+is recomputed in the backward pass instead of saved, with the half-precision
+operations that narrow its result (``_eval_with_regions``).
 
 Integer, boolean and PRNG-key values are never touched. Nested ``jit``,
 ``scan``, ``while_loop``, ``cond``, ``checkpoint``, ``custom_jvp`` and
@@ -278,6 +278,17 @@ def _narrow_safe(closed, rules: "AutocastRules") -> frozenset:
     return frozenset(needed)
 
 
+def _uses(jaxpr) -> tuple[dict, set]:
+    """``(users, outputs)`` of ``jaxpr``: the equations that read each variable, in order, and
+    the variables it returns."""
+    users: dict = {}
+    for e in jaxpr.eqns:
+        for v in e.invars:
+            if not isinstance(v, jex_core.Literal):
+                users.setdefault(v, []).append(e)
+    return users, {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+
+
 # Collectives that move a value between devices unchanged (no arithmetic).
 _MOVING = frozenset({"all_gather", "all_gather_invariant", "ppermute", "all_to_all"})
 # Operations that move a value's elements around on one device, no arithmetic.
@@ -304,12 +315,7 @@ def _narrow_early(closed, rules: "AutocastRules") -> frozenset:
     found: set = set()
 
     def walk(jaxpr):
-        users: dict = {}
-        for e in jaxpr.eqns:
-            for v in e.invars:
-                if not isinstance(v, jex_core.Literal):
-                    users.setdefault(v, []).append(e)
-        outputs = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+        users, outputs = _uses(jaxpr)
         memo: dict = {}
 
         def only_narrowed(v) -> bool:
@@ -359,12 +365,7 @@ def _shifted_exps(closed, keep: frozenset) -> frozenset:
 
     def walk(jaxpr):
         producer = {v: e for e in jaxpr.eqns for v in e.outvars}
-        users: dict = {}
-        for e in jaxpr.eqns:
-            for v in e.invars:
-                if not isinstance(v, jex_core.Literal):
-                    users.setdefault(v, []).append(e)
-        outputs = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+        users, outputs = _uses(jaxpr)
 
         def strip(v):
             while not isinstance(v, jex_core.Literal) and v in producer:
@@ -645,13 +646,14 @@ class _Autocast(interpret.Interpreter):
 
 
 def _recompute_policy(low: frozenset) -> Callable:
-    """A ``jax.checkpoint`` policy that saves only half-precision and non-float values.
+    """The ``jax.checkpoint`` policy of a float32 region: saves only products, collectives, non-floats.
 
-    Float32 intermediates of the autocast program (sums, exponentials,
-    normalisation statistics, ...) are then recomputed in the backward pass
-    from the half-precision values around them; matrix products and
-    collectives (``_COMMUNICATING``) are always saved, never recomputed. The sums are recomputed too (one more pass over
-    a region's input): a saved statistic would let XLA schedule what is
+    A region's float32 intermediates (sums, exponentials, normalisation
+    statistics, ...) and its half-precision tail (``_with_narrowing_tail``)
+    are then recomputed in the backward pass from the region's inputs;
+    matrix products and collectives (``_COMMUNICATING``) are always saved,
+    never recomputed. The sums are recomputed too (one more pass over a
+    region's input): a saved statistic would let XLA schedule what is
     computed from it in the forward pass, in float32 (see
     ``_recomputed_late``).
     """
@@ -661,14 +663,9 @@ def _recompute_policy(low: frozenset) -> Callable:
     def policy(prim, *avals, **params):
         if prim.name in always or prim.name in _COMMUNICATING:
             return True
-        for key in ("new_dtype", "dtype"):
-            if key in params and params[key] is not None:
-                try:
-                    return not casting.is_float_dtype(params[key]) or casting.is_half_dtype(params[key])
-                except TypeError:
-                    break
-        dtypes = [a.dtype for a in avals if casting.is_float_dtype(getattr(a, "dtype", None))]
-        return not dtypes or all(casting.is_half_dtype(d) for d in dtypes)
+        dtypes = [params.get(key) for key in ("new_dtype", "dtype") if params.get(key) is not None]
+        dtypes += [getattr(a, "dtype", None) for a in avals]
+        return not any(casting.is_float_dtype(d) for d in dtypes)
 
     return policy
 
@@ -679,9 +676,12 @@ def _float32_regions(jaxpr) -> list[list[int]]:
     A region is a connected group of first-order equations with float32 (or
     wider) outputs, connected through float32 values: a layer-norm's
     statistics and normalisation, a softmax's exponentials and sums, the
-    float32 part of a GELU. A region is dropped when an equation outside it
-    sits between its equations and feeds back into it (it could then not run
-    as one unit).
+    float32 part of a GELU, each with its narrowing tail
+    (``_with_narrowing_tail``: the conversion of its result to half
+    precision and a layer norm's scale and bias). A region is dropped when an
+    equation outside it sits between its equations and reads one of its
+    values (it could then not run as one unit); a tail is dropped when it
+    makes that so.
     """
     def wide_out(eqn):
         return any(casting.is_float_dtype(v.aval.dtype) and np.dtype(v.aval.dtype).itemsize >= 4
@@ -711,17 +711,73 @@ def _float32_regions(jaxpr) -> list[list[int]]:
     for i in range(len(jaxpr.eqns)):
         if member[i]:
             groups.setdefault(find(i), []).append(i)
-    regions = []
-    for idx in groups.values():
-        inside, last = set(idx), idx[-1]
-        outs = {v for i in idx for v in jaxpr.eqns[i].outvars}
-        feeds_back = any(
+    users: dict[Any, list[int]] = {}
+    for j, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, jex_core.Literal):
+                users.setdefault(v, []).append(j)
+
+    def runs_as_one(idx):  # no equation outside it reads its values before its last one
+        inside, outs = set(idx), {v for i in idx for v in jaxpr.eqns[i].outvars}
+        return not any(
             j not in inside and any(v in outs for v in jaxpr.eqns[j].invars
                                     if not isinstance(v, jex_core.Literal))
-            for j in range(idx[0], last))
-        if len(idx) > 1 and not feeds_back:
+            for j in range(idx[0], idx[-1]))
+
+    regions = []
+    for idx in groups.values():
+        if len(idx) < 2:
+            continue
+        with_tail = _with_narrowing_tail(jaxpr, idx, users)
+        if with_tail != idx and runs_as_one(with_tail):
+            regions.append(with_tail)
+        elif runs_as_one(idx):
             regions.append(idx)
     return regions
+
+
+# Elementwise operations that may continue a region's narrowing tail (``_with_narrowing_tail``).
+_TAIL_OPS = frozenset({"mul", "add", "sub", "div", "neg", "max", "min"})
+
+
+def _with_narrowing_tail(jaxpr, idx: list[int], users: dict) -> list[int]:
+    """Region ``idx`` extended with the half-precision operations that narrow and scale its outputs.
+
+    The tail is the conversion of a region value to half precision and the
+    elementwise operations that follow it with only small other operands
+    (a layer norm's scale and bias): ``normalised * scale + bias``. Recomputed
+    with the region, their results are not read from the forward pass by the
+    backward one (the derivative of ``normalised * scale`` reads
+    ``normalised``): XLA fuses a narrowing conversion into each of its users,
+    so a backward pass reading the narrowed value keeps the region's float32
+    value alive until then.
+    """
+    members, chain = set(idx), {v for i in idx for v in jaxpr.eqns[i].outvars}
+    frontier = list(chain)
+    while frontier:
+        v = frontier.pop()
+        for j in users.get(v, ()):
+            eqn = jaxpr.eqns[j]
+            if j in members or len(eqn.outvars) != 1:
+                continue
+            out = eqn.outvars[0].aval
+            if not casting.is_half_dtype(getattr(out, "dtype", None)):
+                continue
+            if eqn.primitive.name == "convert_element_type":
+                ok = np.dtype(v.aval.dtype).itemsize >= 4
+            elif eqn.primitive.name in _TAIL_OPS:
+                ours = [u for u in eqn.invars if not isinstance(u, jex_core.Literal) and u in chain]
+                ok = (len(ours) == 1 and casting.is_half_dtype(v.aval.dtype)
+                      and v.aval.shape == out.shape
+                      and all(isinstance(u, jex_core.Literal) or u in chain
+                              or u.aval.size < out.size for u in eqn.invars))
+            else:
+                ok = False
+            if ok:
+                members.add(j)
+                chain.update(eqn.outvars)
+                frontier.extend(eqn.outvars)
+    return sorted(members)
 
 
 def _recomputed_late(fn: Callable, policy: Callable) -> Callable:
@@ -916,10 +972,11 @@ def autocast(
     With ``recompute_float32=True`` (the default for a half-precision
     ``compute_dtype``) the float32 intermediates are not kept for the
     backward pass: each connected float32 region (a layer norm, a softmax)
-    gets its own ``jax.checkpoint`` that keeps only its half-precision values
-    and recomputes the rest where its derivative is taken: the
-    recomputation is tied to the region's cotangent, so that XLA cannot move
-    it into the forward pass. The recomputed work is conversions,
+    gets its own ``jax.checkpoint`` that keeps only its half-precision
+    inputs and recomputes the rest, with the conversion of its result to
+    ``compute_dtype`` and a layer norm's scale and bias, where its derivative
+    is taken: the recomputation is tied to the region's cotangent, so that
+    XLA cannot move it into the forward pass. The recomputed work is conversions,
     elementwise operations and the region's sums, never a matrix product:
     what is kept for the backward pass is then all half precision, for some
     more work in the backward pass. The regions are ``jax.custom_vjp``
