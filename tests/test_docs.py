@@ -15,6 +15,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 TEST_COMMAND = 'pip install -e ".[test]" && pytest -n auto'
+SLOW_COMMAND = "pytest -n auto -m slow"
 DOCS_COMMAND = 'pip install -e ".[docs]" && sphinx-build -W --keep-going -b html docs docs/_build/html'
 
 # page -> the pages whose code it continues (run first, in this order).
@@ -90,6 +91,19 @@ def test_readme_test_command_is_what_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     assert TEST_COMMAND in readme and TEST_COMMAND in ci
     assert TEST_COMMAND in (DOCS / "development.md").read_text()
+
+
+def test_the_end_to_end_runs_are_left_out_by_default_and_ci_runs_them():
+    """The default run leaves out the tests marked slow (the suite's time); CI runs them after
+    it, as README and the development page say."""
+    import tomllib
+
+    addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert "-m 'not slow'" in addopts["addopts"]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert ci.index(TEST_COMMAND) < ci.index(SLOW_COMMAND)
+    assert SLOW_COMMAND in (ROOT / "README.md").read_text()
+    assert SLOW_COMMAND in (DOCS / "development.md").read_text()
 
 
 def test_readme_docs_command_is_what_ci_runs():
