@@ -46,6 +46,19 @@ def wide_dtype(dtype: Any) -> np.dtype:
     return dtype if dtype.itemsize >= 4 else np.dtype(np.float32)
 
 
+def widen_half(tree: Any) -> Any:
+    """``tree`` with its half-precision floating array leaves converted (exactly) to float32.
+
+    Every other leaf (float32, integers, keys, non-arrays) is returned as it is.
+    """
+    def leaf(x):
+        if is_float_array(x) and is_half_dtype(x.dtype):
+            return x.astype(wide_dtype(x.dtype))
+        return x
+
+    return jax.tree_util.tree_map(leaf, tree)
+
+
 def partition(tree: PyTree, predicate: Callable[[Any], bool] | None = None) -> tuple[PyTree, PyTree]:
     """Splits ``tree`` into the leaves that satisfy ``predicate`` and the rest.
 

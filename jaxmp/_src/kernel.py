@@ -175,19 +175,6 @@ def prepare_call(fn: Callable, compute_dtype: Any, use_mixed_precision: bool, au
     return fn, compute_dtype
 
 
-def float32_views(tree: PyTree) -> PyTree:
-    """``tree`` with its half-precision floating array leaves converted (exactly) to float32.
-
-    Under autocast the loss is traced on these views: the user's code and its
-    framework's dtype checks (``lax.conv`` refuses a bfloat16 weight with
-    float32 noise) see one dtype, float32, and autocast still runs each
-    product in the compute dtype, converting the views back.
-    """
-    return jax.tree_util.tree_map(
-        lambda x: x.astype(casting.wide_dtype(x.dtype))
-        if casting.is_float_array(x) and casting.is_half_dtype(x.dtype) else x, tree)
-
-
 def returned_state_dtypes(aux: PyTree, states: Sequence[PyTree]) -> PyTree:
     """``aux`` with its floating leaves in float32, except the framework state it returns.
 
@@ -338,7 +325,7 @@ class Step:
         respect to the views, in float32, and :meth:`unscale` returns each in
         its parameter's own dtype.
         """
-        return diff if self.input_dtype is not None else float32_views(diff)
+        return diff if self.input_dtype is not None else casting.widen_half(diff)
 
     def no_cast_positions(self, n_args: int) -> list[int]:
         return resolve_positions(self.no_cast_nums, n_args, "no_cast_argnums", self.no_cast_nums)
@@ -353,12 +340,15 @@ class Step:
         float16; floating aux leaves come back in float32, except the state of
         ``no_cast_argnums`` returned updated (:func:`returned_state_dtypes`).
         Under autocast, every half-precision floating leaf of the inputs is
-        handed to the loss as an exact float32 view (:func:`float32_views`).
+        handed to the loss as an exact float32 view (``casting.widen_half``): the
+        user's code and its framework's dtype checks (``lax.conv`` refuses a bfloat16
+        weight with float32 noise) see one dtype, and autocast still runs each
+        product in the compute dtype.
         """
         args = list(args)
         states = [args[i] for i in self.no_cast_positions(len(args))]
         if self.input_dtype is None:
-            args, kwargs = float32_views((args, kwargs))
+            args, kwargs = casting.widen_half((args, kwargs))
         else:
             keep = set(self.no_cast_positions(len(args)))
             cast = [a for i, a in enumerate(args) if i not in keep]

@@ -91,15 +91,6 @@ def _narrow(tree: PyTree, dtype: np.dtype) -> PyTree:
         lambda x: x.astype(dtype) if _is_stored_narrow(x) and x.dtype != dtype else x, tree)
 
 
-def _widen(tree: PyTree) -> PyTree:
-    def leaf(x):
-        if casting.is_float_array(x) and casting.is_half_dtype(x.dtype):
-            return x.astype(casting.wide_dtype(x.dtype))
-        return x
-
-    return jax.tree_util.tree_map(leaf, tree)
-
-
 def _is_half(x: Any) -> bool:
     return casting.is_float_array(x) and casting.is_half_dtype(x.dtype)
 
@@ -363,7 +354,7 @@ def low_precision_optimizer(
 
     def init(params):
         _check_params(params)
-        inner_state = _narrow(inner.init(_widen(params)), state_dtype)
+        inner_state = _narrow(inner.init(casting.widen_half(params)), state_dtype)
         key = None
         if param_rounding == "stochastic":
             key = jax.random.key_data(jax.random.key(seed))
@@ -380,7 +371,7 @@ def low_precision_optimizer(
                 f"{type(state).__name__}); pass the state returned by this transformation's init.")
         _check_params(params)
         compensation = state.compensation
-        wide_params = _widen(params)
+        wide_params = casting.widen_half(params)
         if param_rounding == "kahan":
             _check_compensation(params, compensation)
             # The optimizer sees the compensated parameters (weight decay, etc.).
@@ -389,7 +380,8 @@ def low_precision_optimizer(
                 wide_params, compensation, is_leaf=lambda x: x is None)
         with jax.numpy_dtype_promotion("standard"):  # optax relies on it internally
             inner_updates, inner_state = inner.update(
-                _widen(updates), _widen(state.inner), wide_params, **extra_args)
+                casting.widen_half(updates), casting.widen_half(state.inner), wide_params,
+                **extra_args)
         inner_state = _narrow(inner_state, state_dtype)
 
         key, step_key = state.key, None
