@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks import collectives
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,6 +29,7 @@ def test_count_collectives_reads_tuples_groups_and_scatter_inputs():
     assert set(got) == {"all-reduce f32", "reduce-scatter f16", "all-gather f16"}
 
 
+@pytest.mark.slow  # an end-to-end run of the script: every mode, both paths, compiled
 def test_small_run_shows_float32_reductions_at_twice_the_bytes(tmp_path):
     subprocess.run([sys.executable, "-m", "benchmarks.collectives", "--out", str(tmp_path),
                     "--width", "16", "--depth", "2", "--batch", "8"],

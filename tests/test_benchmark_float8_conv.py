@@ -3,10 +3,12 @@
 import json
 
 import numpy as np
+import pytest
 
 from benchmarks import float8_conv as bench
 
 
+@pytest.mark.slow  # an end-to-end run of the script's shares and a few training steps
 def test_shares_and_a_short_training_run(tmp_path):
     """The Equinox conv net (a function leaf, GroupNorm) runs every product of its step in
     float8, forward and backward, and the script writes its figures; a few float8 steps lower

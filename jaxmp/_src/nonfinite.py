@@ -415,6 +415,21 @@ class _Shadow(interpret.Interpreter):
             return where, called_from, "conversion", "", producer_where
         return source.locate(eqn, enclosing)  # no better: the user's call (never a jaxmp frame)
 
+    def _leaving_calls(self, outvars) -> list:
+        """``outvars`` and, for each that a call being evaluated returns (a float32 region of
+        autocast, which may end in the narrowing of its result), the call's own result, outward:
+        the code that uses a value can be outside the call that made it."""
+        found = list(outvars)
+        calls = self.enclosing[:-1]
+        for v in outvars:
+            for call in reversed(calls):
+                inner = _called_jaxpr(call)
+                if inner is None or not any(o is v for o in inner.outvars):
+                    break
+                v = call.outvars[[o is v for o in inner.outvars].index(True)]
+                found.append(v)
+        return found
+
     def _nearest_user_eqn(self, eqn, downstream: bool, depth: int = 4):
         """The nearest equation after (or before) ``eqn`` that is the user's, not jaxmp's.
 
@@ -426,7 +441,7 @@ class _Shadow(interpret.Interpreter):
             nearby = []
             for e in frontier:
                 if downstream:
-                    for v in e.outvars:
+                    for v in self._leaving_calls(e.outvars):
                         for c in self.consumers.get(v, ()):
                             inner = _called_jaxpr(c)
                             if inner is not None:
