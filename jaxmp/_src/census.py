@@ -72,6 +72,23 @@ def sub_jaxprs(eqn) -> Iterator[tuple[Any, int]]:
                 yield inner, repeat
 
 
+# Equations that call one jaxpr on exactly their operands and return its results.
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2",
+                    "custom_jvp_call", "custom_vjp_call"})
+
+
+def called_jaxpr(eqn):
+    """The (open) jaxpr that ``eqn`` calls on exactly its operands, or ``None``."""
+    if eqn.primitive.name not in _CALLS:
+        return None
+    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    inner = getattr(inner, "jaxpr", inner)
+    if inner is None or len(inner.invars) != len(eqn.invars) or (
+            len(inner.outvars) != len(eqn.outvars)):
+        return None
+    return inner
+
+
 def _flops(eqn) -> int:
     lhs, rhs = (v.aval for v in eqn.invars[:2])
     out = eqn.outvars[0].aval

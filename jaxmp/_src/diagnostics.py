@@ -142,13 +142,20 @@ def _op_flops(line: str) -> tuple[str, int] | None:
         # Each output element takes prod(kernel) / out_features multiply-adds.
         labels = [d.strip() for d in _CONV_DIMS.search(line).group(1).split(",")]
         macs = math.prod(out) * math.prod(rhs) // rhs[labels.index("o")]
-    lhs_t, rhs_t = _dtype_name(lhs_t), _dtype_name(rhs_t)
-    if lhs_t == rhs_t:
-        return lhs_t, 2 * macs
-    if _is_float8_name(lhs_t) and _is_float8_name(rhs_t):
-        # Two float8 formats (e4m3 weights times an e5m2 cotangent): one float8 product.
-        return "+".join(sorted((lhs_t, rhs_t))), 2 * macs
-    return "mixed", 2 * macs
+    return product_key(_dtype_name(lhs_t), _dtype_name(rhs_t)), 2 * macs
+
+
+def product_key(lhs: str, rhs: str) -> str:
+    """The key a product of operand dtypes ``lhs`` and ``rhs`` (NumPy names) is counted under.
+
+    The dtype when both agree; two float8 formats (e4m3 weights times an e5m2
+    cotangent) joined by ``+``, one float8 product; else ``"mixed"``.
+    """
+    if lhs == rhs:
+        return lhs
+    if _is_float8_name(lhs) and _is_float8_name(rhs):
+        return "+".join(sorted((lhs, rhs)))
+    return "mixed"
 
 
 def _is_float8_name(name: str) -> bool:

@@ -45,6 +45,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jaxmp._src import casting
+from jaxmp._src import census
 from jaxmp._src import kernel
 from jaxmp._src import interpret
 from jaxmp._src import loss_scale
@@ -257,22 +258,6 @@ class _Site(NamedTuple):
 
 
 # Primitives that call a sub-jaxpr on exactly their operands (the input paths carry over).
-_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2",
-                    "custom_jvp_call", "custom_vjp_call"})
-
-
-def _called_jaxpr(eqn):
-    """The (open) jaxpr that ``eqn`` calls on exactly its operands, or ``None``."""
-    if eqn.primitive.name not in _CALLS:
-        return None
-    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    inner = getattr(inner, "jaxpr", inner)
-    if inner is None or len(inner.invars) != len(eqn.invars) or (
-            len(inner.outvars) != len(eqn.outvars)):
-        return None
-    return inner
-
-
 class _Shadow(interpret.Interpreter):
     """Evaluates a jaxpr on pairs ``(value, float32 shadow)`` and records what goes wrong.
 
@@ -327,7 +312,7 @@ class _Shadow(interpret.Interpreter):
         return None if array is None else (array, _widen(array))
 
     def eval_eqn(self, eqn, invals):
-        inner = _called_jaxpr(eqn)
+        inner = census.called_jaxpr(eqn)
         if inner is not None:
             for outer_v, inner_v in zip(eqn.invars, inner.invars):
                 if isinstance(outer_v, jex_core.Var) and outer_v in self.input_paths:
@@ -423,7 +408,7 @@ class _Shadow(interpret.Interpreter):
         calls = self.enclosing[:-1]
         for v in outvars:
             for call in reversed(calls):
-                inner = _called_jaxpr(call)
+                inner = census.called_jaxpr(call)
                 if inner is None or not any(o is v for o in inner.outvars):
                     break
                 v = call.outvars[[o is v for o in inner.outvars].index(True)]
@@ -443,7 +428,7 @@ class _Shadow(interpret.Interpreter):
                 if downstream:
                     for v in self._leaving_calls(e.outvars):
                         for c in self.consumers.get(v, ()):
-                            inner = _called_jaxpr(c)
+                            inner = census.called_jaxpr(c)
                             if inner is not None:
                                 nearby += [d for i, u in enumerate(c.invars) if u is v
                                            for d in self.consumers.get(inner.invars[i], ())]
@@ -453,7 +438,7 @@ class _Shadow(interpret.Interpreter):
                         p = self.producer.get(v) if isinstance(v, jex_core.Var) else None
                         if p is None:
                             continue
-                        inner = _called_jaxpr(p)
+                        inner = census.called_jaxpr(p)
                         if inner is not None:
                             inner_v = inner.outvars[p.outvars.index(v)]
                             if isinstance(inner_v, jex_core.Var) and inner_v in self.producer:

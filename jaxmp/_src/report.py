@@ -39,9 +39,6 @@ _WRAPPED = re.compile(r"^(\w+)\((.*)\)$")
 # find where a wide operand comes from.
 _MOVES = frozenset({"convert_element_type", "reshape", "broadcast_in_dim", "transpose", "squeeze",
                     "expand_dims", "copy", "copy_p", "slice", "dynamic_slice"})
-# Equations whose one inner jaxpr takes their operands and gives their results as they are.
-_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint",
-                    "custom_jvp_call", "custom_vjp_call"})
 
 
 # Why a product is not in the requested precision, by reason, for the reasons census._WIDER
@@ -272,12 +269,7 @@ def layer_path(name_stack: str) -> str:
 
 def _dtype_key(eqn) -> str:
     """The operand dtype key of a product, as :func:`jaxmp.matmul_flops` names it."""
-    names = [np.dtype(v.aval.dtype).name for v in eqn.invars[:2]]
-    if names[0] == names[1]:
-        return names[0]
-    if all(float8.is_float8_dtype(v.aval.dtype) for v in eqn.invars[:2]):
-        return "+".join(sorted(names))
-    return "mixed"
+    return diagnostics.product_key(*(np.dtype(v.aval.dtype).name for v in eqn.invars[:2]))
 
 
 def _in_requested(key: str, compute: np.dtype | None, matmul: np.dtype | None) -> bool:
@@ -307,12 +299,10 @@ class _Program:
                 self.origin.update({v: "closure" for v in j.constvars})
             if eqn.primitive.name in census._PRODUCTS and self.autocast_converts(eqn):
                 self.cast_by_autocast.add(eqn.primitive.name)
-            if len(inner) == 1 and eqn.primitive.name in _CALLS:
-                (inner,) = inner
-                if len(inner.invars) == len(eqn.invars):
-                    self.same.update(zip(inner.invars, eqn.invars))
-                if len(inner.outvars) == len(eqn.outvars):
-                    self.same.update(zip(eqn.outvars, inner.outvars))
+            called = census.called_jaxpr(eqn)
+            if called is not None:
+                self.same.update(zip(called.invars, eqn.invars))
+                self.same.update(zip(eqn.outvars, called.outvars))
 
     def _sources(self, v, depth: int = 0):
         """Where ``v`` is moved or converted from: ``(eqn, enclosing)`` pairs, and
