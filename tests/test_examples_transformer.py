@@ -59,6 +59,7 @@ def test_corpus_ships_with_python(corpus):
     assert 50 < len(corpus.vocab) < 200 and "e" in corpus.vocab
 
 
+@pytest.mark.slow  # trains the example until its scaler says it is stuck, then diagnoses it
 def test_naive_float16_port_is_detected_and_explained(ex, corpus):
     loss_fn, params, data = _setup(ex, corpus)
     # Detected: from 2**15 the scale reaches 1 after 15 skipped steps; the scaler says so once.
