@@ -404,7 +404,7 @@ def test_the_table_says_what_its_columns_are():
     assert "bfloat16 max|x|" in str(bf16)
 
 
-# Steps whose model uses collectives: axis_name= and mapped= (vmap, shard_map). --------
+# Steps whose model uses collectives: axis_name= and mapped= (vmap, pmap, shard_map). --
 
 def _batchnorm_model():
     nn = pytest.importorskip("flax.linen")
@@ -466,17 +466,35 @@ def test_a_batchnorm_model_under_shard_map():
                             Model, lambda p, xi: loss_fn(p, xi[None]), params, x)
 
 
-def test_collectives_need_axis_name_and_mapped_and_say_so():
+def test_a_batchnorm_model_under_pmap():
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices")
+    Model, loss_fn, params, x = _batchnorm_model()
+    find = jaxmp.find_nonfinite(loss_fn, axis_name="batch", mapped=lambda f: jax.pmap(
+        f, axis_name="batch", in_axes=(None, 0), devices=jax.devices()[:2]))
+    # One example per device, with the leading device axis pmap takes.
+    _check_batchnorm_report(find(params, x[:, None], scaler_state=jaxmp.static_scaler(1.0)),
+                            Model, lambda p, xi: loss_fn(p, xi[None]), params, x)
+
+
+def test_a_batchnorm_model_on_a_batch_captured_in_a_closure():
+    Model, loss_fn, params, x = _batchnorm_model()
+    # No mapped=: the whole batch is one member of the axis, so BatchNorm's
+    # statistics are those of the whole batch, as across the members above.
+    find = jaxmp.find_nonfinite(lambda p: loss_fn(p, x), axis_name="batch")
+    _check_batchnorm_report(find(params, scaler_state=jaxmp.static_scaler(1.0)),
+                            Model, loss_fn, params, x)
+
+
+def test_collectives_need_axis_name_and_say_so():
     def loss_fn(w, x):
         h = x @ w
         return jnp.mean((h - jax.lax.pmean(h, "batch")) ** 2)
 
     w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
-    with pytest.raises(ValueError, match="mapped="):
-        jaxmp.find_nonfinite(loss_fn, axis_name="batch")
     with pytest.raises(ValueError, match="not bound.*axis_name=.*mapped="):
         jaxmp.find_nonfinite(loss_fn)(w, x)
-    with pytest.raises(TypeError, match="outside jit, vmap and shard_map.*mapped="):
+    with pytest.raises(TypeError, match="outside jit, vmap, pmap and shard_map.*mapped="):
         jax.vmap(jaxmp.find_nonfinite(loss_fn), in_axes=(None, 0), axis_name="batch")(w, x)
     with pytest.raises(TypeError, match="mapped must be a function"):
         jaxmp.find_nonfinite(loss_fn, axis_name="batch", mapped="vmap")

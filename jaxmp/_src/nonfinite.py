@@ -23,12 +23,16 @@ argument is named by the argument leaf's pytree path (``params['dense']['kernel'
 and a conversion autocast added at an operation's operand by that operation's
 line. jaxmp's own files are never named.
 
-A step whose model uses collectives (a ``BatchNorm`` with ``axis_name``) can
-only be evaluated where its axis is bound: with ``axis_name=`` and
-``mapped=`` (the ``jax.vmap`` or ``jax.shard_map`` around the step), the
-evaluation runs inside that mapping, its findings reach the host through
-``jax.debug.callback`` as it runs, and the report is built from them after
-the mapped call returns.
+A step whose model uses collectives (a ``BatchNorm`` with ``axis_name``)
+needs its axis bound. The mapping the user gives (``mapped=``: the
+``jax.vmap``, ``jax.pmap`` or ``jax.shard_map`` around the step) is traced,
+not run, and the traced program is evaluated here on one device, one
+operation at a time like any other: a ``vmap``'s axis is traced away (its
+collectives become operations over the batch dimension), and a ``shard_map``
+(``pmap`` is one) is evaluated on the global arrays with one ``vmap`` per
+mesh axis in its place (``one_device.py``). Only the bodies of loops,
+``cond`` and ``checkpoint`` are traced while evaluated: their findings reach
+the host through ``jax.debug.callback``.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from jaxmp._src import census
 from jaxmp._src import kernel
 from jaxmp._src import interpret
 from jaxmp._src import loss_scale
+from jaxmp._src import one_device
 from jaxmp._src import sharding
 from jaxmp._src import source
 
@@ -267,7 +272,7 @@ class _Shadow(interpret.Interpreter):
     """
 
     def __init__(self):
-        super().__init__()
+        super().__init__({**interpret.HANDLERS, "shard_map": _shard_map})
         self.sites: list[_Site] = []
         self.site_of: dict[tuple[int, int], int] = {}
         self.records: dict[tuple[int, str], dict] = {}
@@ -471,7 +476,7 @@ class _Shadow(interpret.Interpreter):
     def _host_check(self, site, in_h, in_s, h, s, everywhere=None):
         if everywhere is not None and not bool(np.asarray(everywhere)):
             return  # a collective passed on another member's inf: found where it was made
-        stats = _stats(*jax.device_get((in_h, in_s, h, s)))
+        stats = _stats(in_h, in_s, *jax.device_get((h, s)))  # inputs: only if needed
         if stats[0]:
             self._record(site, *stats[1:])
 
@@ -493,6 +498,17 @@ class _Shadow(interpret.Interpreter):
             self.records[key] = dict(count=count, half_max=float(half_max),
                                      float32_max=float(f32_max), float32_min=float(f32_min),
                                      input_max=float(in_max))
+
+
+def _shard_map(shadow: _Shadow, eqn, invals: list) -> list:
+    """A ``shard_map`` (or ``pmap``): its body on the global arrays, one operation at a time."""
+    batched = one_device.as_batched(eqn)
+    for outer_v, inner_v in zip(eqn.invars, batched.jaxpr.jaxpr.invars):
+        if isinstance(outer_v, jex_core.Var) and outer_v in shadow.input_paths:
+            shadow.input_paths[inner_v] = shadow.input_paths[outer_v]
+    blocks = [tuple(batched.split(i, x) for x in pair) for i, pair in enumerate(invals)]
+    outs = shadow.eval_closed(batched.jaxpr, blocks)
+    return [tuple(batched.merge(i, y) for y in pair) for i, pair in enumerate(outs)]
 
 
 # Collectives, and the parameter that names their axes.
@@ -531,6 +547,16 @@ def _stats(in_h: list, in_s: list, h: np.ndarray, s: np.ndarray) -> tuple:
     shadow_finite, nonfinite, underflow, half_max, float32_max, float32_min,
     input_max)``.
     """
+    half_dtype = np.asarray(h).dtype
+    h, s = _f32(h), _f32(s)
+    nonfinite = int((~np.isfinite(h)).sum())
+    underflow = 0
+    if casting.is_half_dtype(half_dtype):
+        tiny = float(jnp.finfo(half_dtype).smallest_subnormal)
+        underflow = int(((h == 0) & (s != 0) & (np.abs(s) < tiny)).sum())
+    if not nonfinite and not underflow:  # most results: the inputs need no look
+        return (False,) * 9
+    shadow_finite = bool(np.isfinite(s).all())
     in_finite, in_underflow, in_max = True, False, 0.0
     for hi, si in zip(in_h, in_s):
         hi, si = _f32(hi), _f32(si)
@@ -538,14 +564,6 @@ def _stats(in_h: list, in_s: list, h: np.ndarray, s: np.ndarray) -> tuple:
         in_underflow = in_underflow or bool(((hi == 0) & (si != 0)).any())
         finite = np.abs(si[np.isfinite(si)])
         in_max = max(in_max, float(finite.max()) if finite.size else 0.0)
-    half_dtype = np.asarray(h).dtype
-    h, s = _f32(h), _f32(s)
-    nonfinite = int((~np.isfinite(h)).sum())
-    shadow_finite = bool(np.isfinite(s).all())
-    underflow = 0
-    if casting.is_half_dtype(half_dtype):
-        tiny = float(jnp.finfo(half_dtype).smallest_subnormal)
-        underflow = int(((h == 0) & (s != 0) & (np.abs(s) < tiny)).sum())
     created = in_finite and nonfinite > 0
     interesting = created or (in_finite and not in_underflow and underflow > 0)
     if not interesting:
@@ -719,8 +737,10 @@ def find_nonfinite(
     :class:`jaxmp.Finding`), and a hint. ``print`` the report for a table
     whose columns are explained under it.
 
-    It is a debugging tool: it runs eagerly, operation by operation, and is
-    slow on a large model (give it one batch). It does not change anything:
+    It is a debugging tool: it runs eagerly, operation by operation, each
+    operation compiled on its first use (a ResNet18-sized model takes tens of
+    seconds, several hundred of its training steps: see
+    ``benchmarks/README.md``), so give it one batch. It does not change anything:
     the training step is untouched. Control flow (``cond``, ``while``) follows
     the half-precision values. Float32 values beyond 1e30 are taken for
     sentinels (a mask's ``-1e30``) whose overflow to ``-inf`` is intended.
@@ -728,14 +748,17 @@ def find_nonfinite(
     A model with collectives (a ``BatchNorm`` that averages over
     ``axis_name``, as in data-parallel training) runs only where its axis is
     bound. Pass ``axis_name`` as to the step and, as ``mapped``, what maps your
-    step over it: the function is then evaluated inside that mapping (each
-    member's or device's findings reach the host through
-    ``jax.debug.callback``; the first one of each operation is kept) and the
-    report is returned by the outer call, as usual. That mapped evaluation
-    is compiled as one program (evaluating ``shard_map`` eagerly with
-    callbacks is too slow), with XLA's excess precision turned off, so that
-    every half-precision result is still rounded to its dtype. The returned
-    function itself must be called outside ``jit``, ``vmap`` and ``shard_map``.
+    step over it: ``jax.vmap``, ``jax.pmap`` or ``jax.shard_map``, as in your
+    training step. The mapping is traced, not run, and the traced step is
+    evaluated on one device like any other: a ``vmap``'s collectives become
+    operations over the batch dimension, and a ``pmap`` or ``shard_map`` body
+    runs on the global arrays (its devices' blocks stacked along one ``vmap``
+    per mesh axis), so the diagnosis needs the memory of the whole batch on
+    one device. Without ``mapped``, the whole batch is one member of the
+    axis: right for a batch captured in a closure, or a loss written for the
+    batch of one device (whose collectives then see the whole batch). The
+    returned function itself must be called outside ``jit``, ``vmap``,
+    ``pmap`` and ``shard_map``.
 
     Args:
         loss_fn: the loss function, as given to :func:`jaxmp.mp_value_and_grad`.
@@ -748,17 +771,18 @@ def find_nonfinite(
             :func:`jaxmp.mp_value_and_grad`.
         axis_name: the data-parallel axis name(s), as given to
             :func:`jaxmp.mp_value_and_grad`: the loss reported is the mean over
-            them. Needs ``mapped``.
+            them. Without ``mapped``, the whole batch is one member of it.
         reduce_dtype: as given to :func:`jaxmp.mp_value_and_grad` (the dtype
             of the gradient sums over devices): the step checked is the same.
         mapped: a function that maps a step over ``axis_name`` as your
             training step is mapped, e.g.
-            ``lambda f: jax.vmap(f, in_axes=(None, 0), axis_name="batch")`` or
+            ``lambda f: jax.vmap(f, in_axes=(None, 0), axis_name="batch")``,
+            ``lambda f: jax.pmap(f, axis_name="batch", in_axes=(None, 0))`` or
             ``lambda f: jax.shard_map(f, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P())``.
             The ``f`` it is given takes the arguments of ``loss_fn`` and
-            returns one float32 array of two values, the same on every member
-            of the axis (the loss and its float32 shadow's, averaged over
-            ``axis_name``): ``out_specs=P()`` under ``shard_map``.
+            returns the scaled loss averaged over ``axis_name`` (a float32
+            scalar, the same on every member): ``out_specs=P()`` under
+            ``shard_map``.
         matmul_dtype: with ``autocast=True``, a float8 dtype for the matrix
             products, as in :func:`jaxmp.mp_value_and_grad`. The float32
             shadow of a float8 product is the exact float32 product, so a
@@ -771,10 +795,10 @@ def find_nonfinite(
         scaler state of a stuck run to check the scale it is stuck at.
 
     Raises:
-        ValueError: for ``axis_name`` without ``mapped``, or when the loss
-            uses a collective over an axis that is not bound.
+        ValueError: when the loss uses a collective over an axis that is
+            not bound (give ``axis_name``).
         TypeError: when the returned function is called inside ``jit``,
-            ``vmap`` or ``shard_map`` (pass ``mapped`` instead).
+            ``vmap``, ``pmap`` or ``shard_map`` (pass ``mapped`` instead).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -797,6 +821,24 @@ def find_nonfinite(
         >>> report = find(jnp.full((4, 2), 100.0), jnp.arange(12.0).reshape(3, 4) * 50)
         >>> report.findings[0].kind, report.findings[0].primitive, report.loss_float32 > 65504
         ('overflow', 'dot_general', True)
+
+        A loss for one device's examples under ``jax.pmap`` (over the devices
+        there are), and the same loss on a batch captured in a closure, with
+        no ``mapped``: the whole batch is then one member of the axis.
+
+        >>> def device_loss(w, x):  # x: this device's examples
+        ...     h = x @ w
+        ...     return jnp.mean((h - jax.lax.pmean(jnp.mean(h, 0), "batch")) ** 2)
+        >>> n = jax.local_device_count()
+        >>> x = jnp.arange(12.0 * n).reshape(n, 3, 4) * 50
+        >>> find = jaxmp.find_nonfinite(device_loss, axis_name="batch", mapped=lambda f: jax.pmap(
+        ...     f, axis_name="batch", in_axes=(None, 0)))
+        >>> find(jnp.full((4, 2), 100.0), x).findings[0].primitive
+        'dot_general'
+        >>> batch = x.reshape(-1, 4)
+        >>> find = jaxmp.find_nonfinite(lambda w: device_loss(w, batch), axis_name="batch")
+        >>> find(jnp.full((4, 2), 100.0)).findings[0].primitive
+        'dot_general'
     """
     # The very step mp_value_and_grad runs: same validation, casts and scaled loss.
     step = kernel.Step.create(
@@ -815,69 +857,81 @@ def find_nonfinite(
         raise TypeError("mapped must be a function that maps a step over the data axes (e.g. "
                         f"lambda f: jax.vmap(f, ..., axis_name=...)), got {type(mapped).__name__}.")
     if axis_name is not None and mapped is None:
-        raise ValueError(
-            f"find_nonfinite(axis_name={axis_name!r}) evaluates the step where that axis is "
-            "bound, and returns its report from outside: pass mapped=, the vmap or shard_map "
-            f"your step runs under, e.g. mapped=lambda f: jax.vmap(f, in_axes=(None, 0), "
-            f"axis_name={axis_name!r}) or mapped=lambda f: jax.shard_map(f, mesh=mesh, "
-            "in_specs=(P(), P('batch')), out_specs=P()).")
+        mapped = _one_member(axis_name)
     names = _parameter_names(loss_fn)
 
     def report_fn(*args, scaler_state=None, **kwargs) -> NonfiniteReport:
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs))):
             raise TypeError(
                 "The function returned by jaxmp.find_nonfinite returns a report (Python data) "
-                "and must be called outside jit, vmap and shard_map. To diagnose a step that "
-                "runs under vmap or shard_map, pass find_nonfinite(..., axis_name=..., "
-                "mapped=lambda f: jax.vmap(f, ..., axis_name=...)) and call it on the whole "
-                "batch.")
+                "and must be called outside jit, vmap, pmap and shard_map. To diagnose a step "
+                "that runs under one of them, pass find_nonfinite(..., axis_name=..., "
+                "mapped=lambda f: jax.vmap(f, ..., axis_name=...)) (or the jax.pmap or "
+                "jax.shard_map of your step) and call it on the whole batch.")
         if scaler_state is None:
             state = loss_scale.init_scaler() if half == jnp.float16 else loss_scale.noop_scaler()
         else:
             state = step.check_state(scaler_state)
         scale = 1.0 if state.mode == "none" else float(state.scale)
+        # Every array is an input of the traced step (not a constant), so that
+        # the casts of the batch are evaluated and named too.
+        arrays, rest = casting.partition((args, kwargs), casting.is_array)
+        flat = jax.tree_util.tree_leaves(arrays)
+        paths = _leaf_paths((), arrays, (), names)
+
+        def traced(backward: bool):
+            def on_member(*args, **kwargs):  # inside the mapping, if any
+                diff, rebuild, devices = step.differentiable(args, state)
+
+                def scaled_loss(d):
+                    return step.scaled_loss(state, rebuild(d), kwargs)[0]
+
+                loss = jax.value_and_grad(scaled_loss)(diff)[0] if backward else scaled_loss(diff)
+                axes = devices.axes or sharding.manual_axes()
+                return jax.lax.pmean(loss, axes) if axes else loss
+
+            run = on_member if mapped is None else mapped(on_member)
+
+            def whole(arrays):
+                call_args, call_kwargs = casting.combine(arrays, rest)
+                return run(*call_args, **call_kwargs)
+
+            return _trace(whole, arrays)
+
+        # The mapping (if any) is traced, not run: each pass is evaluated here,
+        # one operation at a time (a shard_map or pmap on the global arrays).
         fwd, bwd = _Shadow(), _Shadow()
-
-        def diagnose(*args, **kwargs):
-            diff, rebuild, devices = step.differentiable(args, state)
-            positions = kernel.resolve_positions(step.nums, len(args), "argnums", step.argnums)
-            rest_args = [None if i in positions else a for i, a in enumerate(args)]
-            # Every array is an input of the traced step (not a constant), so
-            # that the casts of the batch are evaluated and named too.
-            others, others_rest = casting.partition((rest_args, kwargs), casting.is_array)
-
-            def scaled_loss(d, o):
-                call_args, call_kwargs = casting.combine(o, others_rest)
-                full = rebuild(d)
-                full = [full[i] if i in positions else a for i, a in enumerate(call_args)]
-                return step.scaled_loss(state, full, call_kwargs)[0]
-
-            flat = jax.tree_util.tree_leaves((diff, others))
-            paths = _leaf_paths(diff, others, positions, names)
-            forward_jaxpr = _trace(scaled_loss, diff, others)
-            (loss,) = fwd.run(forward_jaxpr, flat, paths)
-            bwd.run(_trace(jax.value_and_grad(scaled_loss), diff, others), flat, paths)
-            losses = jnp.stack(loss)
-            axes = devices.axes or sharding.manual_axes()
-            return jax.lax.pmean(losses, axes) if axes else losses
-
-        if mapped is None:
-            losses = diagnose(*args, **kwargs)  # eagerly, one operation at a time
-        else:
-            # One compiled program, as the training step; XLA must round every
-            # half-precision result to its dtype, as the eager evaluation does.
-            losses = jax.jit(mapped(diagnose)).lower(*args, **kwargs).compile(
-                {"xla_allow_excess_precision": False})(*args, **kwargs)
+        (loss,) = fwd.run(traced(backward=False), flat, paths)
+        bwd.run(traced(backward=True), flat, paths)
         jax.effects_barrier()  # every record from a callback is in before the report is read
-        # Averaged over the axis already; a mapping without axis_name gives one pair per member.
-        loss, loss_float32 = np.asarray(losses, np.float32).reshape(-1, 2).mean(0) / scale
+        # One loss per member under a mapping (equal when averaged over axis_name).
+        loss, loss_float32 = (float(np.asarray(x, np.float32).mean()) / scale for x in loss)
         forward = _collect(fwd, lambda site: "forward", scale, half, set(), autocast)
         skip = {(f.primitive, f.where, f.dtype, f.size, f.kind) for f in forward}
         backward = _collect(bwd, lambda site: "backward", scale, half, skip, autocast)
-        return NonfiniteReport(tuple(forward + backward), half.name, scale, float(loss),
-                               float(loss_float32))
+        return NonfiniteReport(tuple(forward + backward), half.name, scale, loss, loss_float32)
 
     return report_fn
+
+
+def _one_member(axis_name) -> Callable[[Callable], Callable]:
+    """The mapping of a step given the whole batch: one member of each of ``axis_name``'s axes.
+
+    A collective over the axes (a ``BatchNorm``'s mean) then sees the whole
+    batch, as the collective of a data-parallel step sees every device's.
+    """
+    names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+    def mapped(f):
+        def on_whole_batch(*args, **kwargs):
+            g = functools.partial(f, **kwargs)  # keyword arguments would be mapped over axis 0
+            for name in reversed(names):
+                g = jax.vmap(g, in_axes=None, axis_size=1, axis_name=name)
+            return g(*args)
+
+        return on_whole_batch
+
+    return mapped
 
 
 def _trace(fn: Callable, *args):
@@ -888,7 +942,8 @@ def _trace(fn: Callable, *args):
         if "axis name" not in str(e):
             raise
         raise ValueError(
-            f"The loss uses a collective over an axis that is not bound here ({e}). Diagnose "
-            "it where your step runs: find_nonfinite(loss_fn, axis_name=..., mapped=lambda f: "
-            "jax.vmap(f, in_axes=..., axis_name=...)) (or jax.shard_map), with the axis_name "
-            "you give mp_value_and_grad.") from e
+            f"The loss uses a collective over an axis that is not bound here ({e}). Give "
+            "find_nonfinite the axis_name you give mp_value_and_grad: "
+            "find_nonfinite(loss_fn, axis_name=...) treats the whole batch as one member of "
+            "it; add mapped=lambda f: jax.vmap(f, in_axes=..., axis_name=...) (or the jax.pmap "
+            "or jax.shard_map of your step) where the loss is written for one member.") from e
