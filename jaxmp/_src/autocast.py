@@ -101,10 +101,8 @@ PASSTHROUGH = frozenset({
     "optimization_barrier", "name", "sharding_constraint", "mesh_cast", "reshard",
     "device_put", "psum", "pmax", "pmin", "ppermute", "all_gather", "all_to_all",
     "psum_scatter", "reduce_scatter", "pbroadcast", "pvary", "pcast", "sort",
-    # What shard_map binds for all_gather under its varying-axes types (check_vma). Its psum
-    # (psum_invariant) runs as written, in float32: as passthrough, jax 0.8 typed a value after
-    # it as varying in find_nonfinite's re-evaluation of a BatchNorm under shard_map.
-    "all_gather_invariant", "ragged_all_to_all",
+    # What shard_map binds for psum and all_gather under its varying-axes types (check_vma).
+    "psum_invariant", "all_gather_invariant", "ragged_all_to_all",
 })
 
 # Collectives that communicate: their results are always saved for the backward pass,
