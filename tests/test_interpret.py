@@ -113,3 +113,57 @@ def test_client_values_may_be_pytrees():
     assert low.dtype == jnp.float16 and high.dtype == jnp.float32
     np.testing.assert_allclose(high, _program(W, X), rtol=1e-6)
     np.testing.assert_allclose(float(low), float(high), rtol=1e-2)
+
+
+class Concreteness(Recorder):
+    """Records, for each first-order equation, whether it was evaluated on traced values."""
+
+    def __init__(self, handlers=None):
+        super().__init__(handlers)
+        self.traced = []
+
+    def first_order(self, eqn, invals):
+        self.traced.append(any(isinstance(x, jax.core.Tracer) for x in invals))
+        return super().first_order(eqn, invals)
+
+
+def _loops(x, ys):
+    def step(c, y):
+        c = c * 0.9 + y
+        return c, jnp.sin(c)
+
+    c, out = jax.lax.scan(step, x, ys, reverse=True)
+    n, c = jax.lax.while_loop(lambda s: s[0] < 7, lambda s: (s[0] + 1, s[1] * 1.1), (0, c))
+    return c + jnp.sum(out, 0) + n.astype(c.dtype)
+
+
+def test_eager_handlers_evaluate_every_body_on_concrete_values():
+    recorder = Concreteness(interpret.eager_handlers())
+    np.testing.assert_allclose(_interpreted(recorder, _program)(W, X), _program(W, X), rtol=1e-6)
+    assert recorder.names.count("tanh") == 3  # the scan's three iterations, one by one
+    assert recorder.traced and not any(recorder.traced)  # nothing traced, nothing compiled whole
+    ys = jnp.linspace(0.0, 1.0, 12).reshape(4, 3)
+    recorder = Concreteness(interpret.eager_handlers())
+    np.testing.assert_allclose(_interpreted(recorder, _loops)(X[0, :3], ys), _loops(X[0, :3], ys),
+                               rtol=1e-6)
+    assert recorder.names.count("sin") == 4 and recorder.names.count("lt") == 8
+    assert not any(recorder.traced)
+    # Pytree values (pairs) go through them as through the traced handlers.
+    closed = jax.make_jaxpr(_program)(W, X)
+    args = [(W.astype(jnp.float16), W), (X.astype(jnp.float16), X)]
+    ((low, high),) = Shadow(interpret.eager_handlers()).eval_closed(closed, args)
+    assert low.dtype == jnp.float16
+    np.testing.assert_allclose(high, _program(W, X), rtol=1e-6)
+
+
+def test_a_loop_past_the_eager_budget_is_traced(monkeypatch):
+    monkeypatch.setattr(interpret, "EAGER_LOOP_BUDGET", 10)
+    ys = jnp.linspace(0.0, 1.0, 12).reshape(4, 3)
+    recorder = Concreteness(interpret.eager_handlers())
+    np.testing.assert_allclose(_interpreted(recorder, _loops)(X[0, :3], ys), _loops(X[0, :3], ys),
+                               rtol=1e-6)
+    # The scan (4 x 3 equations) is traced whole; the while loop runs its first iterations one
+    # by one, then the rest of it as a loop, from where it stood.
+    assert recorder.names.count("sin") == 1 and recorder.traced[recorder.names.index("sin")]
+    eager_lt = [t for n, t in zip(recorder.names, recorder.traced) if n == "lt" and not t]
+    assert 0 < len(eager_lt) < 8 and any(recorder.traced)

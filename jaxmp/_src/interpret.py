@@ -361,6 +361,89 @@ HANDLERS: Mapping[str, Handler] = {
 }
 
 
+# --- Evaluating higher-order primitives on concrete values --------------------------------
+
+#: How many equations a loop evaluated one iteration at a time may run (length times the
+#: body's equations) before it is traced and compiled as a loop instead.
+EAGER_LOOP_BUDGET = 20_000
+
+
+def _is_concrete(values) -> bool:
+    return not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(values))
+
+
+def _eager_call(interp: Interpreter, eqn, invals):
+    """``checkpoint`` and custom derivative rules: on concrete values, only the primal matters."""
+    inner = eqn.params.get("call_jaxpr", eqn.params.get("jaxpr"))
+    if isinstance(inner, jex_core.ClosedJaxpr):
+        return interp.eval_closed(inner, invals)
+    return interp.eval_jaxpr(inner, (), invals)
+
+
+def _eager_cond(interp: Interpreter, eqn, invals):
+    branches = eqn.params["branches"]
+    index = int(interp.to_original(invals[0], eqn.invars[0].aval))
+    return interp.eval_closed(branches[min(max(index, 0), len(branches) - 1)], invals[1:])
+
+
+def _eager_scan(interp: Interpreter, eqn, invals):
+    p = eqn.params
+    if not p["length"] or p["length"] * len(p["jaxpr"].jaxpr.eqns) > EAGER_LOOP_BUDGET:
+        return None
+    nc, ncarry = p["num_consts"], p["num_carry"]
+    consts, carry, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
+    steps = range(p["length"])
+    ys = []
+    for i in (reversed(steps) if p["reverse"] else steps):
+        x = [jax.tree_util.tree_map(lambda v, i=i: v[i], x) for x in xs]
+        outs = interp.eval_closed(p["jaxpr"], [*consts, *carry, *x])
+        carry = outs[:ncarry]
+        ys.append(outs[ncarry:])
+    if p["reverse"]:
+        ys.reverse()
+    stacked = [jax.tree_util.tree_map(lambda *vs: jnp.stack(vs), *per_step) for per_step in zip(*ys)]
+    return [*carry, *stacked]
+
+
+def _eager_while(interp: Interpreter, eqn, invals):
+    p = eqn.params
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    cconsts, bconsts, carry = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
+    cost = len(p["cond_jaxpr"].jaxpr.eqns) + len(p["body_jaxpr"].jaxpr.eqns) + 1
+    for _ in range(EAGER_LOOP_BUDGET // cost):
+        (pred,) = interp.eval_closed(p["cond_jaxpr"], [*cconsts, *carry])
+        if not bool(interp.to_original(pred, p["cond_jaxpr"].out_avals[0])):
+            return carry
+        carry = interp.eval_closed(p["body_jaxpr"], [*bconsts, *carry])
+    return _while(interp, eqn, [*cconsts, *bconsts, *carry])  # the rest of a long loop, traced
+
+
+_EAGER = {"checkpoint": _eager_call, "remat": _eager_call, "remat2": _eager_call,
+          "custom_jvp_call": _eager_call, "custom_vjp_call": _eager_call,
+          "cond": _eager_cond, "scan": _eager_scan, "while": _eager_while}
+
+
+def _eager_or_traced(name: str, traced: Handler) -> Handler:
+    def handler(interp: Interpreter, eqn, invals):
+        if _is_concrete(invals):
+            outs = _EAGER[name](interp, eqn, invals)
+            if outs is not None:
+                return list(outs)
+        return traced(interp, eqn, invals)
+
+    return handler
+
+
+def eager_handlers(handlers: Mapping[str, Handler] = HANDLERS) -> dict[str, Handler]:
+    """``handlers`` for an interpreter that only evaluates (it is not differentiated or traced
+    afterwards): on concrete values, a ``checkpoint`` or a custom derivative rule runs its
+    primal inline, a ``cond`` its chosen branch, and a loop one iteration at a time (up to
+    :data:`EAGER_LOOP_BUDGET` equations, then as a loop), with nothing compiled but each
+    operation. Inside traced code they are the ``handlers`` given."""
+    return {**handlers, **{name: _eager_or_traced(name, handlers[name])
+                           for name in _EAGER if name in handlers}}
+
+
 def transform(fn: Callable, run: Callable[[Any, list], list]) -> Callable:
     """``fn`` traced to a jaxpr at each call and evaluated by ``run`` instead.
 

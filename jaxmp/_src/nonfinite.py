@@ -30,9 +30,10 @@ not run, and the traced program is evaluated here on one device, one
 operation at a time like any other: a ``vmap``'s axis is traced away (its
 collectives become operations over the batch dimension), and a ``shard_map``
 (``pmap`` is one) is evaluated on the global arrays with one ``vmap`` per
-mesh axis in its place (``one_device.py``). Only the bodies of loops,
-``cond`` and ``checkpoint`` are traced while evaluated: their findings reach
-the host through ``jax.debug.callback``.
+mesh axis in its place (``one_device.py``). ``cond``, ``checkpoint`` and
+custom derivative rules run inline, and loops one iteration at a time
+(``interpret.eager_handlers``); only a loop too long for that is traced and
+compiled, its findings reaching the host through ``jax.debug.callback``.
 """
 
 from __future__ import annotations
@@ -272,7 +273,7 @@ class _Shadow(interpret.Interpreter):
     """
 
     def __init__(self):
-        super().__init__({**interpret.HANDLERS, "shard_map": _shard_map})
+        super().__init__({**interpret.eager_handlers(), "shard_map": _shard_map})
         self.sites: list[_Site] = []
         self.site_of: dict[tuple[int, int], int] = {}
         self.records: dict[tuple[int, str], dict] = {}
