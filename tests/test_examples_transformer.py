@@ -76,6 +76,7 @@ def test_naive_float16_port_is_detected_and_explained(ex, corpus):
     assert "no scale fixes it" in first.hint and "autocast=True" in first.hint
 
 
+@pytest.mark.slow  # trains the example in three precisions
 def test_autocast_float16_and_bfloat16_train_like_float32(ex, corpus):
     loss_fn, params, data = _setup(ex, corpus)
     _, reference = _train(ex, loss_fn, params, data, "float32", autocast=True)
