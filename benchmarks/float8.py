@@ -9,6 +9,9 @@ each variant,
 * ``float8_head_bf16``: float8 but for the output projection, kept in
   bfloat16 by a ``jaxmp.Float8Rules`` (the loss under ``jaxmp.autocast(...,
   float8_rules=)`` given to ``mp_value_and_grad(..., autocast=True)``),
+* ``mxfp8``: ``float8`` with ``float8_scaling="mxfp8"`` (one power-of-two
+  scale per block of 32 elements along each product's contracting
+  dimension, forward and backward, OCP MXFP8),
 
 it records, for the whole training step (gradient + ``jaxmp.optimizer_update``
 with Adam):
@@ -22,6 +25,15 @@ with Adam):
 * the step time on the backend at hand (median over interleaved rounds). On a
   CPU float8 is emulated: the ratio says nothing about a GPU.
 
+The products of ``mxfp8`` are cuDNN's block-scaled dot in the CUDA program
+(a custom call, which ``jaxmp.matmul_flops`` counts by its float8 operands,
+padding to whole blocks included).
+
+It also measures, without training, the relative error of each row of one
+product whose left operand has a few rows 1e5 times larger than the others
+(``outlier_rows``): per-tensor float8 scales every row by the large ones',
+MXFP8 each block of 32 by its own.
+
 and, unless ``--no-train``, trains the tiny ViT on scikit-learn's digits (8x8,
 tiled to 3 channels) and the language model on Python's help topics, both
 variants from the same initialisation over the same batches, and compares the
@@ -31,6 +43,8 @@ Usage::
 
     python -m benchmarks.float8 --out results/float8
     python -m benchmarks.float8 --out results/float8-quick --quick
+    python -m benchmarks.float8 --out results/mxfp8 --models vit_tiny,transformer_lm \
+        --variants bfloat16,float8,mxfp8 --repeats 3
 """
 
 from __future__ import annotations
@@ -53,7 +67,7 @@ import jaxmp
 from benchmarks import models
 from benchmarks import vit as vit_bench
 
-VARIANTS = ("bfloat16", "float8", "float8_head_bf16")
+VARIANTS = ("bfloat16", "float8", "float8_head_bf16", "mxfp8")
 TRAIN_VARIANTS = ("float32",) + VARIANTS
 COMPUTE_DTYPE = jnp.bfloat16
 E4M3 = jnp.float8_e4m3fn
@@ -75,7 +89,7 @@ def float8_options(model: Model, variant: str) -> tuple[Any, Any]:
     projection (the product whose result has the model's output width) in bfloat16."""
     if variant in ("bfloat16", "float32"):
         return None, None
-    if variant == "float8":
+    if variant in ("float8", "mxfp8"):
         return E4M3, None
     head = jaxmp.Float8Rules(keep_if=lambda p: p.rhs_shape[-1] == model.outputs
                              and len(p.rhs_shape) == 2)
@@ -111,10 +125,15 @@ def transformer_model(batch_size: int, seq_len: int, width: int, layers: int, he
                  optimizer, len(corpus.vocab)), corpus
 
 
+def float8_scaling(variant: str) -> str:
+    """The ``float8_scaling`` of a variant: ``"mxfp8"`` for ``mxfp8``, else ``"tensor"``."""
+    return "mxfp8" if variant == "mxfp8" else "tensor"
+
+
 def autocast_loss(model: Model, variant: str) -> Callable:
     matmul_dtype, rules = float8_options(model, variant)
     return jaxmp.autocast(model.loss, COMPUTE_DTYPE, matmul_dtype=matmul_dtype,
-                          float8_rules=rules)
+                          float8_rules=rules, float8_scaling=float8_scaling(variant))
 
 
 def make_step(model: Model, variant: str) -> tuple[Callable, Callable]:
@@ -131,7 +150,8 @@ def make_step(model: Model, variant: str) -> tuple[Callable, Callable]:
         grad_fn = jaxmp.mp_value_and_grad(model.loss, use_mixed_precision=False)
     elif rules is None:
         grad_fn = jaxmp.mp_value_and_grad(model.loss, compute_dtype=COMPUTE_DTYPE, autocast=True,
-                                          matmul_dtype=matmul_dtype)
+                                          matmul_dtype=matmul_dtype,
+                                          float8_scaling=float8_scaling(variant))
     else:
         grad_fn = jaxmp.mp_value_and_grad(autocast_loss(model, variant),
                                           compute_dtype=COMPUTE_DTYPE, autocast=True)
@@ -163,11 +183,14 @@ def static_figures(model: Model, variant: str) -> tuple[dict, Any, Any]:
     loss = autocast_loss(model, variant)
     init, step = make_step(model, variant)
     state = init(model.params)
-    fwd = share_totals(jaxmp.matmul_flops(loss, model.params, *model.batch))
-    both = share_totals(jaxmp.matmul_flops(step, state, *model.batch))
+    platform = "cuda"  # mxfp8's products: cuDNN's block-scaled dot, counted by matmul_flops
+    flops = jaxmp.matmul_flops(step, state, *model.batch, platform=platform)
+    fwd = share_totals(jaxmp.matmul_flops(loss, model.params, *model.batch, platform=platform))
+    both = share_totals(flops)
     bwd = {k: both[k] - fwd[k] for k in fwd}
     row = {
-        "matmul_flops_cuda": jaxmp.matmul_flops(step, state, *model.batch),
+        "matmul_flops": flops,
+        "flops_platform": platform,
         "float8_share_forward": fwd["float8"] / fwd["total"],
         "float8_share_backward": bwd["float8"] / bwd["total"] if bwd["total"] else 0.0,
         "float8_share_step": both["float8"] / both["total"],
@@ -193,6 +216,35 @@ def time_steps(compiled: dict, inits: dict, model: Model, repeats: int, warmup: 
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def outlier_rows(rows: int = 256, depth: int = 512, outputs: int = 256, large: int = 4,
+                 factor: float = 1e5, seed: int = 0) -> dict[str, Any]:
+    """Relative error of each row of ``x @ w`` where ``large`` rows of ``x`` are ``factor`` times
+    larger than the others, against float64: worst row, median row, the large rows' worst.
+
+    Variants: bfloat16 autocast, per-tensor float8 and MXFP8 (bfloat16 compute).
+    """
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = np.array(jax.random.normal(kx, (rows, depth)), np.float32)
+    w = np.asarray(jax.random.normal(kw, (depth, outputs)) / np.sqrt(depth), np.float32)
+    big = np.arange(large) * (rows // large)  # spread over the rows
+    x[big] *= factor
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    product = lambda w, x: x @ w
+    out: dict[str, Any] = {"shape": [rows, depth, outputs], "large_rows": large,
+                           "factor": factor}
+    for variant in ("bfloat16", "float8", "mxfp8"):
+        matmul_dtype = None if variant == "bfloat16" else E4M3
+        fn = jaxmp.autocast(product, COMPUTE_DTYPE, matmul_dtype=matmul_dtype,
+                            float8_scaling=float8_scaling(variant))
+        got = np.asarray(jax.jit(fn)(w, x), np.float64)
+        err = np.linalg.norm(got - exact, axis=1) / np.linalg.norm(exact, axis=1)
+        out[variant] = {"worst_row": float(err.max()), "median_row": float(np.median(err)),
+                        "worst_large_row": float(err[big].max())}
+    out["worst_row_ratio_float8_to_mxfp8"] = (out["float8"]["worst_row"]
+                                              / out["mxfp8"]["worst_row"])
+    return out
 
 
 # --- Training: the same steps in both variants ---------------------------------------------------
@@ -232,7 +284,8 @@ def train(model: Model, variant: str, data, test_batches) -> dict[str, Any]:
 def run(args) -> dict[str, Any]:
     results: dict[str, Any] = {"machine": vit_bench.machine_info(),
                                "command": "python -m benchmarks.float8 " + " ".join(args.argv),
-                               "static": {}, "training": {}}
+                               "static": {}, "training": {}, "outlier_rows": outlier_rows()}
+    print("outlier rows: " + json.dumps(results["outlier_rows"]), flush=True)
     lm, corpus = transformer_model(args.lm_batch, args.lm_seq_len, args.lm_width,
                                    args.lm_layers, args.lm_heads, args.lm_steps)
     chosen = {"vit_tiny": lambda: vit_model("tiny", args.tiny_batch),
@@ -241,13 +294,13 @@ def run(args) -> dict[str, Any]:
     for name in args.models if args.static else ():
         model = chosen[name]()
         rows, compiled, inits = {}, {}, {}
-        for variant in VARIANTS:
+        for variant in args.variants:
             rows[variant], compiled[variant], inits[variant] = static_figures(model, variant)
         if args.repeats:
             for variant, t in time_steps(compiled, inits, model, args.repeats).items():
                 rows[variant]["step_time_s"] = t
         results["static"][name] = rows
-        print(f"{name}: " + json.dumps({v: {k: r[k] for k in r if k != "matmul_flops_cuda"}
+        print(f"{name}: " + json.dumps({v: {k: r[k] for k in r if k != "matmul_flops"}
                                         for v, r in rows.items()}), flush=True)
         del compiled
 
@@ -282,7 +335,8 @@ def training(args, corpus) -> dict[str, Any]:
                 data = [tuple(b) for b in ex.batches(corpus.train, args.lm_batch,
                                                      args.lm_seq_len, args.lm_steps, seed=seed)]
                 test = list(ex.batches(corpus.test, args.lm_batch, args.lm_seq_len, 8, seed=1234))
-            variants = TRAIN_VARIANTS if name != "vit_desktop_digits" else VARIANTS
+            variants = [v for v in (TRAIN_VARIANTS if name != "vit_desktop_digits" else VARIANTS)
+                        if v in args.variants or v == "float32" and args.train_float32]
             per_seed.append({v: train(model, v, data, test) for v in variants})
             print(f"{name} seed {seed}: " + json.dumps(per_seed[-1]), flush=True)
         mean = {v: float(np.mean([r[v]["final_train_loss"] for r in per_seed]))
@@ -300,9 +354,17 @@ def training(args, corpus) -> dict[str, Any]:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    lines = ["| model | variant | float8 share fwd / bwd / step | low-precision share | "
-             "saved activations (MiB) | XLA estimate (MiB) | step time (ms) |",
-             "|---|---|---|---|---|---|---|"]
+    outliers = results["outlier_rows"]
+    lines = [f"Product {'x'.join(map(str, outliers['shape']))} with {outliers['large_rows']} "
+             f"rows {outliers['factor']:g} times larger: relative error per row",
+             "", "| variant | worst row | median row | worst large row |", "|---|---|---|---|"]
+    for v in ("bfloat16", "float8", "mxfp8"):
+        r = outliers[v]
+        lines.append(f"| {v} | {r['worst_row']:.4f} | {r['median_row']:.4f} | "
+                     f"{r['worst_large_row']:.4f} |")
+    lines += ["", "| model | variant | float8 share fwd / bwd / step | low-precision share | "
+              "saved activations (MiB) | XLA estimate (MiB) | step time (ms) |",
+              "|---|---|---|---|---|---|---|"]
     mib = lambda b: f"{b / 2**20:.2f}" if b is not None else "-"
     for name, rows in results["static"].items():
         for variant, r in rows.items():
@@ -348,11 +410,19 @@ def parse_args(argv):
     parser.add_argument("--lm-heads", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5, help="timed steps (0: no timing)")
     parser.add_argument("--no-train", dest="train", action="store_false")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, of {','.join(VARIANTS)} (bfloat16 is always run)")
+    parser.add_argument("--no-float32", dest="train_float32", action="store_false",
+                        help="do not train the float32 reference")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: tiny ViT and a 1-layer LM, 25 training steps each")
     args = parser.parse_args(argv)
     args.argv = list(argv)
     args.models = [m for m in args.models.split(",") if m]
+    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    args.variants = ["bfloat16"] + [v for v in VARIANTS[1:] if v in args.variants.split(",")]
     if args.quick:
         args.models = [m for m in args.models if m != "vit_desktop"]
         args.vit_steps = args.lm_steps = 25

@@ -23,11 +23,34 @@ def test_quick_run_reports_float8_shares_memory_and_losses(tmp_path):
         assert f8["xla_total_bytes"] > 0 and f8["step_time_s"] > 0
         head = rows["float8_head_bf16"]  # the output projection in bfloat16, the rest float8
         assert 0.5 < head["float8_share_step"] < 1.0 and head["low_precision_share_step"] == 1.0
+        mx = rows["mxfp8"]  # counted in the CUDA program: cuDNN's block-scaled dot
+        assert mx["flops_platform"] == "cuda" == f8["flops_platform"]
+        assert mx["float8_share_forward"] == 1.0 and mx["float8_share_backward"] == 1.0
+        # One byte per element and one scale byte per 32.
+        assert mx["saved_activation_bytes"] < bf16["saved_activation_bytes"]
     assert results["training"].keys() == {"vit_tiny_digits"}
     for name, run in results["training"].items():
         assert run["nonfinite_losses"] == 0
         (seed,) = run["seeds"]
         assert seed["float8"]["final_train_loss"] < seed["float8"]["first_loss"]  # it trains
         assert abs(run["ratio_to_bfloat16"]["float8"] - 1) < 0.05, name
+        assert abs(run["ratio_to_bfloat16"]["mxfp8"] - 1) < 0.05, name
         assert abs(run["ratio_to_bfloat16"]["float32"] - 1) < 0.05, name
-    assert "| vit_tiny | float8 |" in (tmp_path / "results.md").read_text()
+    assert results["outlier_rows"]["worst_row_ratio_float8_to_mxfp8"] > 4
+    text = (tmp_path / "results.md").read_text()
+    assert "| vit_tiny | float8 |" in text and "| vit_tiny | mxfp8 |" in text
+    assert "| mxfp8 |" in text  # the outlier-rows table
+
+
+def test_outlier_rows_mxfp8_keeps_every_row_per_tensor_float8_does_not():
+    out = bench.outlier_rows(rows=64, depth=64, outputs=32, large=2)
+    assert out["mxfp8"]["worst_row"] < 0.1 and out["bfloat16"]["worst_row"] < 0.01
+    assert out["float8"]["median_row"] > 0.3  # the small rows lose most of their digits
+    assert out["worst_row_ratio_float8_to_mxfp8"] > 4  # the target of the benchmark
+
+
+def test_variants_option_selects_and_checks_variants():
+    args = bench.parse_args(["--out", "x", "--variants", "mxfp8,float8"])
+    assert args.variants == ["bfloat16", "float8", "mxfp8"]  # bfloat16: the reference
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", "x", "--variants", "mxfp4"])

@@ -56,6 +56,29 @@ def test_matmul_flops_counts_dots_and_convolutions():
     assert flops == {"float16": 48, "float32": 4374 + 32}
 
 
+def test_a_nested_jit_called_twice_is_counted_twice():
+    # JAX lowers both calls to one private function: its products count once per call.
+    w, x = jnp.ones((64, 32)), jnp.ones((16, 64))
+    layer = jax.jit(lambda w, x: x @ w)
+    flops = 2 * 16 * 32 * 64
+    for platform in ("cuda", "cpu"):
+        assert jaxmp.matmul_flops(lambda w, x: layer(w, x) + layer(w, 2 * x), w, x,
+                                  platform=platform) == {"float32": 2 * flops}
+
+
+def test_block_scaled_float8_products_are_counted_on_cuda():
+    # On CUDA an MXFP8 product is cuDNN's block-scaled dot (a custom call), on CPU float8
+    # dot_generals per block: the same FLOPs, forward and backward, under float8 either way.
+    f = jaxmp.autocast(lambda w, x: x @ w, jnp.bfloat16, matmul_dtype=jnp.float8_e4m3fn,
+                       float8_scaling="mxfp8")
+    w, x = jnp.ones((64, 32)), jnp.ones((16, 64))
+    step = jax.grad(lambda w, x: jnp.sum(f(w, x) + f(w, 2 * x)), argnums=(0, 1))
+    cuda = jaxmp.matmul_flops(step, w, x)
+    assert cuda == jaxmp.matmul_flops(step, w, x, platform="cpu")
+    assert cuda == {"float8_e4m3fn": 6 * 2 * 16 * 32 * 64}  # 2 products, each 3 times
+    assert jaxmp.half_matmul_flop_share(step, w, x) == 1.0
+
+
 def test_operand_dtype_not_accumulation_dtype_is_counted():
     flops = jaxmp.matmul_flops(
         lambda a, b: jax.lax.dot(a, b, preferred_element_type=jnp.float32),

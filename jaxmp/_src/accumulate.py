@@ -120,6 +120,7 @@ def accumulate_value_and_grad(
     autocast: bool = True,
     reduce_dtype: Any = None,
     matmul_dtype: Any = None,
+    float8_scaling: str = "tensor",
 ) -> Callable:
     """Like :func:`jaxmp.mp_value_and_grad`, accumulated over micro-batches.
 
@@ -169,6 +170,9 @@ def accumulate_value_and_grad(
         autocast: as in :func:`jaxmp.mp_value_and_grad`.
         reduce_dtype: as in :func:`jaxmp.mp_value_and_grad`.
         matmul_dtype: as in :func:`jaxmp.mp_value_and_grad`.
+        float8_scaling: as in :func:`jaxmp.mp_value_and_grad`: ``"tensor"``
+            (default) or ``"mxfp8"`` (block-scaled float8 products, with
+            ``matmul_dtype=jnp.float8_e4m3fn``).
 
     Returns:
         A function returning ``(loss, grads, scaler_state, finite)``, or
@@ -203,7 +207,7 @@ def accumulate_value_and_grad(
         fn, api="jaxmp.accumulate_value_and_grad", argnums=argnums,
         no_cast_argnums=no_cast_argnums, has_aux=has_aux, compute_dtype=compute_dtype,
         use_mixed_precision=use_mixed_precision, axis_name=axis_name, autocast=autocast,
-        reduce_dtype=reduce_dtype, matmul_dtype=matmul_dtype)
+        reduce_dtype=reduce_dtype, matmul_dtype=matmul_dtype, float8_scaling=float8_scaling)
     batch_nums = None if batch_argnums is None else kernel.int_tuple(batch_argnums,
                                                                      "batch_argnums")
 

@@ -432,7 +432,8 @@ class _Autocast(interpret.Interpreter):
     def __init__(self, compute_dtype: np.dtype, rules: AutocastRules, keep: frozenset = frozenset(),
                  matmul_dtype: np.dtype | None = None,
                  float8_rules: float8.Float8Rules = float8.Float8Rules(),
-                 shifted: frozenset = frozenset(), narrow_early: frozenset = frozenset()):
+                 shifted: frozenset = frozenset(), narrow_early: frozenset = frozenset(),
+                 float8_recipe: float8.Recipe | None = None):
         super().__init__()
         self.compute_dtype = compute_dtype
         self.rules = rules
@@ -440,6 +441,7 @@ class _Autocast(interpret.Interpreter):
         self.shifted = shifted  # exp equations to run in compute_dtype (``_shifted_exps``)
         self.matmul_dtype = matmul_dtype  # a float8 dtype, or None: products in compute_dtype
         self.float8_rules = float8_rules
+        self.float8_recipe = float8_recipe  # a row of float8.RECIPES (float8_scaling)
         self.narrow_early = narrow_early  # collectives that move in compute_dtype (``_narrow_early``)
         self._scopes: list[str] = []  # name stacks of the equations being evaluated
         self._casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
@@ -545,7 +547,7 @@ class _Autocast(interpret.Interpreter):
                 if float8.placement(eqn, scope, rules.low_precision, self.float8_rules) is None:
                     # Float8 operands scaled from their own amax, float32 accumulation.
                     return [float8.scaled_product(eqn, invals, self.compute_dtype,
-                                                  self.matmul_dtype)], [_PLAIN]
+                                                  self.matmul_dtype, self.float8_recipe)], [_PLAIN]
             cast = list(invals)
             for i in floats:
                 cast[i] = self.cast(cast[i], self.compute_dtype)
@@ -914,6 +916,7 @@ def autocast(
     bounded: Iterable[str] | None = None,
     matmul_dtype=None,
     float8_rules=None,
+    float8_scaling="tensor",
 ) -> Callable:
     """Runs ``fn`` with a precision chosen per operation, like ``torch.autocast``.
 
@@ -1023,6 +1026,20 @@ def autocast(
         float8_rules: a :class:`jaxmp.Float8Rules`: which products stay in
             ``compute_dtype`` under a float8 ``matmul_dtype`` (default
             ``jaxmp.Float8Rules()``: none).
+        float8_scaling: how the float8 products are scaled. ``"tensor"``
+            (default): one power-of-two scale per operand, as above.
+            ``"mxfp8"`` (OCP MX v1.0, for GPUs with block-scaled float8, such
+            as Blackwell): each operand of each ``dot_general`` in blocks of 32
+            consecutive elements along that product's contracting dimension,
+            each block with its own power-of-two (E8M0) scale, forward and
+            backward (the weight gradient's blocks run along the batch and
+            token dimensions), all in ``float8_e4m3fn``, which
+            ``matmul_dtype`` must be; a few large rows then cost the others
+            nothing. A contracting dimension that is not a multiple of 32 is
+            padded with zeros; convolutions keep one scale per tensor. On CUDA
+            the products are ``jax.nn.scaled_matmul`` (cuDNN's block-scaled
+            dot); elsewhere an emulation computes the same numbers. See
+            ``docs/float8.md``.
 
     The default sets are also attributes of this function
     (``jaxmp.autocast.FULL_PRECISION``...); to change a rule, pass a new set,
@@ -1030,6 +1047,10 @@ def autocast(
 
     Returns:
         A function with the signature and output dtypes of ``fn``.
+
+    Raises:
+        ValueError: for an unknown ``float8_scaling``, or ``"mxfp8"`` without
+            ``matmul_dtype=jnp.float8_e4m3fn`` (the message says the fix).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -1043,6 +1064,17 @@ def autocast(
         >>> out = jaxmp.autocast(f, jnp.float16)(w, x)
         >>> round(float(out), 3), out.dtype
         (25.099, dtype('float32'))
+
+        Float8 products with one scale per block of 32 (MXFP8): a row 1e5 times
+        larger than the others leaves them their precision.
+
+        >>> w = jax.random.normal(jax.random.key(0), (64, 32))
+        >>> x = jax.random.normal(jax.random.key(1), (32, 64)).at[0].multiply(1e5)
+        >>> mx = jax.jit(jaxmp.autocast(lambda w, x: x @ w, jnp.float32,
+        ...                             matmul_dtype=jnp.float8_e4m3fn, float8_scaling="mxfp8"))
+        >>> err = jnp.linalg.norm(mx(w, x) - x @ w, axis=1) / jnp.linalg.norm(x @ w, axis=1)
+        >>> bool(err.max() < 0.1)
+        True
     """
     compute_dtype = casting.canonical_float_dtype(
         compute_dtype, allowed=casting.COMPUTE_DTYPES, what="compute_dtype"
@@ -1050,6 +1082,7 @@ def autocast(
     if not isinstance(rules, AutocastRules):
         raise TypeError(f"rules must be a jaxmp.AutocastRules, got {type(rules).__name__}.")
     matmul_dtype = float8.check_matmul_dtype(matmul_dtype, compute_dtype)
+    float8_recipe = float8.check_scaling(float8_scaling, matmul_dtype)
     float8_rules = float8.Float8Rules() if float8_rules is None else float8_rules
     if not isinstance(float8_rules, float8.Float8Rules):
         raise TypeError(
@@ -1064,14 +1097,14 @@ def autocast(
     def run_autocast(closed, dyn):
         if matmul_dtype is not None:  # says, once, which products cannot run in float8
             census.warn_if_float8_shortfall(closed, rules, float8_rules, compute_dtype,
-                                            matmul_dtype)
+                                            matmul_dtype, float8_recipe)
         out_avals = closed.out_avals
         keep = _narrow_safe(closed, rules)
         # Under float8 the products quantize their operands from float32: a collective
         # narrowed to compute_dtype first would round twice, so it moves as written.
         early = _narrow_early(closed, rules) if matmul_dtype is None else frozenset()
         interpreter = _Autocast(compute_dtype, rules, keep, matmul_dtype, float8_rules,
-                                _shifted_exps(closed, keep), early)
+                                _shifted_exps(closed, keep), early, float8_recipe)
         consts = list(closed.consts)
 
         def run(*flat):

@@ -19,6 +19,7 @@ says it once (:func:`warn_once`).
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from typing import Any, Iterator, NamedTuple
 
@@ -144,9 +145,19 @@ def warn_once(key: Any, message: str, category: type) -> bool:
     key = (category.__name__, key)
     if key in _said["keys"]:
         return False
-    warnings.warn(message, category, stacklevel=5)  # the caller of the traced function
+    warnings.warn(message, category, stacklevel=_user_stacklevel())
     _said["keys"].add(key)
     return True
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` (for a ``warnings.warn`` in :func:`warn_once`) of the innermost frame
+    in the user's code: the call of the traced function, past jaxmp's, JAX's and a framework's
+    own frames (``equinox.filter_jit``)."""
+    frame, level = sys._getframe(2), 2  # pylint: disable=protected-access  (warn_once's caller)
+    while frame is not None and source.in_library(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 def warn_if_mostly_float32(closed_jaxpr, compute_dtype: Any, api: str) -> bool:
@@ -204,7 +215,11 @@ class Float8ShortfallWarning(UserWarning):
     of the FLOPs that run in float8 (forward and backward products, as autocast
     places them), the first such product by the user's file and line, and why.
     A product that ``Float8Rules`` keeps in the compute dtype is never
-    reported. Said once per such product: tracing again does not repeat it.
+    reported. With ``float8_scaling="mxfp8"`` it also says how many FLOPs the
+    zero padding of contracting dimensions that are not a multiple of 32 adds
+    (forward and backward products), and which products (convolutions) run
+    with one scale per tensor instead. Said once per such product: tracing
+    again does not repeat it.
 
     Examples:
         >>> import warnings
@@ -297,8 +312,81 @@ def _percent(share: float) -> str:
     return text
 
 
+def _contracted(eqn) -> list[tuple[str, int]]:
+    """``(product, elements contracted)`` of a ``dot_general`` and of its two backward products.
+
+    The forward product contracts the contracting dimensions; the input
+    gradient (``ct . rhs``) the rhs's free dimensions; the weight gradient
+    (``lhs . ct``) the lhs's free dimensions (a layer's batch and tokens).
+    """
+    lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    free = lambda shape, c, b: math.prod(n for d, n in enumerate(shape) if d not in c and d not in b)
+    return [("forward", math.prod(lhs[d] for d in lc)),
+            ("input-gradient", free(rhs, rc, rb)),
+            ("weight-gradient", free(lhs, lc, lb))]
+
+
+def _warn_if_unblocked(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any) -> bool:
+    """Warns when products of a block-scaled ``recipe`` are padded or run with one scale per tensor.
+
+    A contracting dimension that is not a multiple of ``recipe.block`` is
+    padded with zeros (FLOPs spent on zeros); a primitive the recipe does not
+    block-scale (a convolution under ``"mxfp8"``) runs with one scale per
+    tensor. Says the extra FLOPs or the share, and the first such product.
+    """
+    total = padding = per_tensor = 0
+    first_padded = first_tensor = None
+    for eqn, flops, enclosing in census(closed_jaxpr.jaxpr):
+        placed = _place(eqn, enclosing, rules, float8_rules)
+        if not placed.forward or any(
+                float8.is_float8_dtype(v.aval.dtype) for v in eqn.invars[:2]):
+            continue  # not a product autocast scales (a float8 product written as such)
+        phases = 1 + 2 * placed.backward
+        total += flops * phases
+        if eqn.primitive.name not in recipe.blocked:
+            per_tensor += flops * phases
+            first_tensor = first_tensor or (eqn, enclosing)
+            continue
+        for phase, k in _contracted(eqn)[:phases]:
+            if k % recipe.block:
+                padding += flops * (-(-k // recipe.block) * recipe.block - k) // k
+                first_padded = first_padded or (eqn, enclosing, phase, k)
+    warned = False
+    if first_tensor is not None:
+        eqn, enclosing = first_tensor
+        warned |= warn_once(
+            (source.location_key(eqn, enclosing), "per_tensor", recipe.name),
+            f"jaxmp: autocast with float8_scaling={recipe.name!r} runs "
+            f"{_percent(per_tensor / total)} of the float8 matrix-product FLOPs of this function "
+            f"with one scale per tensor instead: {recipe.name} scales "
+            f"{' and '.join(sorted(recipe.blocked))} in blocks, and the first other product is a "
+            f"{eqn.primitive.name} at {source.user_location(eqn, enclosing)}.\n"
+            "  Fix: none needed where one scale per tensor suits them; to keep them in the "
+            "compute dtype instead (which silences this), "
+            "jaxmp.Float8Rules(primitives={'dot_general'}).",
+            Float8ShortfallWarning)
+    if first_padded is not None:
+        eqn, enclosing, phase, k = first_padded
+        padded = -(-k // recipe.block) * recipe.block
+        warned |= warn_once(
+            (source.location_key(eqn, enclosing), "padding", recipe.name),
+            f"jaxmp: autocast with float8_scaling={recipe.name!r} pads contracting dimensions "
+            f"that are not a multiple of {recipe.block} with zeros: {_percent(padding / total)} "
+            f"more float8 matrix-product FLOPs (forward and backward products) for the same "
+            f"result. The first is a {eqn.primitive.name} at "
+            f"{source.user_location(eqn, enclosing)}: its {phase} product contracts {k} "
+            f"elements, padded to {padded}.\n"
+            f"  Fix: make that dimension a multiple of {recipe.block} (a head size, a width, "
+            "batch x sequence length for the weight gradient); or keep the product in the "
+            "compute dtype with jaxmp.Float8Rules (keep_scopes=, keep_if=, min_flops=), or "
+            "use float8_scaling='tensor'.",
+            Float8ShortfallWarning)
+    return warned
+
+
 def warn_if_float8_shortfall(closed_jaxpr, rules: Any, float8_rules: Any, compute_dtype: Any,
-                             matmul_dtype: Any) -> bool:
+                             matmul_dtype: Any, recipe: Any = None) -> bool:
     """Warns when products of ``closed_jaxpr`` run wider than float8 for a reason of autocast's.
 
     ``closed_jaxpr`` is the function autocast traced, with ``rules`` (a
@@ -308,8 +396,13 @@ def warn_if_float8_shortfall(closed_jaxpr, rules: Any, float8_rules: Any, comput
     float8 when the product does, except inside a function with its own
     derivative rule, which autocast runs as written. Products that
     ``float8_rules`` keeps are counted in the share but never reported.
-    Returns whether it warned; said once per first product (:func:`warn_once`).
+    With a block-scaled ``recipe`` (a row of ``float8.RECIPES``, ``"mxfp8"``),
+    also warns when products are padded to whole blocks or run with one
+    scale per tensor (:func:`_warn_if_unblocked`). Returns whether it warned;
+    said once per first product (:func:`warn_once`).
     """
+    unblocked = (recipe is not None and recipe.block > 0
+                 and _warn_if_unblocked(closed_jaxpr, rules, float8_rules, recipe))
     total = in_float8 = wider = 0
     first = None
     for eqn, flops, enclosing in census(closed_jaxpr.jaxpr):
@@ -323,7 +416,7 @@ def warn_if_float8_shortfall(closed_jaxpr, rules: Any, float8_rules: Any, comput
             if first is None:
                 first = (eqn, enclosing, placed.why)
     if first is None:
-        return False
+        return unblocked
     eqn, enclosing, why = first
     custom = next((e for e in reversed(enclosing) if e.primitive.name in _CUSTOM_RULES), None)
     says = _WIDER[why].says.format(
@@ -331,7 +424,7 @@ def warn_if_float8_shortfall(closed_jaxpr, rules: Any, float8_rules: Any, comput
         dtypes=" x ".join(np.dtype(v.aval.dtype).name for v in eqn.invars[:2]),
         compute=np.dtype(compute_dtype).name,
         rule=_CUSTOM_RULES.get(custom.primitive.name, "") if custom is not None else "")
-    return warn_once(
+    return unblocked | warn_once(
         (source.location_key(eqn, enclosing), why),
         f"jaxmp: autocast with matmul_dtype={np.dtype(matmul_dtype).name} runs "
         f"{_percent(in_float8 / total)} of the matrix-product FLOPs of this function in "

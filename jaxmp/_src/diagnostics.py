@@ -123,6 +123,54 @@ def _dtype_name(mlir_name: str) -> str:
     return _MLIR_DTYPES.get(mlir_name, mlir_name)
 
 
+_FUNC = re.compile(r"func\.func\s+(?:public\s+|private\s+)?@(\"[^\"]+\"|[^(\s]+)\(")
+_CALL = re.compile(r"(?<![\w.])(?:func\.)?call\s+@(\"[^\"]+\"|[^(\s]+)\(")
+# cuDNN's block-scaled dot (what jax.nn.scaled_matmul lowers to on CUDA): operands
+# (B, M, K) and (B, N, K) in float8, then their block scales; result (B, M, N).
+_BLOCK_SCALED_DOT = "@__op$block_scaled_dot("
+_OPERANDS = re.compile(r":\s*\((.*)\)\s*->\s*" + _TENSOR)
+
+
+def _block_scaled_flops(line: str) -> tuple[str, int]:
+    found = _OPERANDS.search(line)
+    tensors = re.findall(_TENSOR, found.group(1)) if found else []
+    if len(tensors) < 2:
+        raise ValueError(f"Could not read the operand types of: {line.strip()[:200]}")
+    (lhs, lhs_t), (rhs, rhs_t) = tensors[:2]
+    (b, m, k), n = _dims(lhs), _dims(rhs)[1]
+    return product_key(_dtype_name(lhs_t), _dtype_name(rhs_t)), 2 * b * m * n * k
+
+
+def _module_flops(text: str) -> dict[str, int]:
+    """:func:`matmul_flops`'s totals from a lowered module's text: each function's products
+    counted once per call of it (JAX lowers a nested ``jit`` called twice as one function)."""
+    own: dict[str, dict[str, int]] = {}
+    callees: dict[str, list[str]] = {}
+    current = "main"
+    for line in text.splitlines():
+        declared = _FUNC.search(line)
+        if declared:
+            current = declared.group(1)
+            continue
+        callees.setdefault(current, []).extend(_CALL.findall(line))
+        found = (_block_scaled_flops(line) if _BLOCK_SCALED_DOT in line else _op_flops(line))
+        if found is not None:
+            totals = own.setdefault(current, {})
+            totals[found[0]] = totals.get(found[0], 0) + found[1]
+    totals: dict[str, int] = {}
+
+    def add(name: str, times: int, depth: int = 0):
+        if depth > 64:  # a recursive call graph: no such StableHLO, but never loop
+            return
+        for key, flops in own.get(name, {}).items():
+            totals[key] = totals.get(key, 0) + times * flops
+        for callee in callees.get(name, ()):
+            add(callee, times, depth + 1)
+
+    add("main", 1)
+    return totals
+
+
 def _op_flops(line: str) -> tuple[str, int] | None:
     """FLOPs and operand dtype key of one dot_general/convolution line of StableHLO text."""
     is_dot = "stablehlo.dot_general" in line
@@ -177,8 +225,11 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any
     when its two operands differ; a product of two different float8 formats
     (the backward products of ``autocast(..., matmul_dtype=...)``) is
     counted under both names joined by ``+``
-    (``"float8_e4m3fn+float8_e5m2"``). An operation inside a loop body (``scan``,
-    ``while``) is counted once, not once per iteration.
+    (``"float8_e4m3fn+float8_e5m2"``). The block-scaled dots of
+    ``float8_scaling="mxfp8"`` (cuDNN custom calls in the CUDA program) count
+    under their float8 operands' dtype. A function called several times (a
+    nested ``jit``) counts once per call; an operation inside a loop body
+    (``scan``, ``while``) is counted once, not once per iteration.
 
     Args:
         fn: any function, e.g. a whole training step.
@@ -208,13 +259,7 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any
 
     with host.no_host_callbacks():  # host callbacks cannot be lowered for another platform
         lowered = jax.jit(call).trace(dynamic).lower(lowering_platforms=(platform,))
-    totals: dict[str, int] = {}
-    for line in lowered.as_text().splitlines():
-        found = _op_flops(line)
-        if found is not None:
-            key, flops = found
-            totals[key] = totals.get(key, 0) + flops
-    return totals
+    return _module_flops(lowered.as_text())
 
 
 def half_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any) -> float:

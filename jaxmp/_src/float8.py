@@ -28,11 +28,24 @@ tensor is computed from the tensor itself, in the step that uses it, as
 torchao's "tensorwise" recipe does. Which products stay in the compute
 dtype is decided by a :class:`jaxmp.Float8Rules` (small products, named
 scopes, a predicate).
+
+That is the ``"tensor"`` recipe. How a product is scaled is a row of one
+table, :data:`RECIPES` (``float8_scaling=`` of ``autocast``): a name, the
+float8 dtypes it takes, its block size and its two product functions. The
+``"mxfp8"`` row follows OCP MX v1.0: each operand of a ``dot_general`` is
+quantized in blocks of 32 consecutive elements along that product's
+contracting dimension, each block with its own power-of-two (E8M0) scale,
+forward and backward, all in ``float8_e4m3fn``; it runs through
+``jax.nn.scaled_matmul`` (cuDNN's block-scaled dot) where JAX lowers it
+(CUDA) and an emulation with the same numbers elsewhere
+(:func:`_mx_matmul`). A new recipe (1x128 or 128x128 blocks, NVFP4) is a
+new row: its quantizer and its product.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Iterable, NamedTuple
 
@@ -43,6 +56,7 @@ from jax import lax
 
 from jaxmp._src import casting
 from jaxmp._src import interpret
+from jaxmp._src import sharding
 
 #: The float8 dtypes accepted as ``matmul_dtype``.
 FLOAT8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -392,17 +406,274 @@ def _scaled_conv(a, b, *, params, matmul_dtype, out_dtype):
     return product(a, b)
 
 
-def scaled_product(eqn, invals, compute_dtype: np.dtype, matmul_dtype: np.dtype) -> jax.Array:
+# --- Block scaling (OCP MX) ------------------------------------------------------------------
+
+#: The block of an MX format: elements per scale along a contracting dimension.
+MX_BLOCK = 32
+#: The element dtype of MXFP8 as ``jax.nn.scaled_matmul`` and cuDNN take it.
+MX_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
+#: The dtype of MX scales: a biased power-of-two exponent in one byte.
+E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
+# The exponents kept: a float32 power of two stays a normal number (XLA on CPU
+# flushes subnormals), and an MX scale of a float32 operand never needs more.
+_MIN_EXPONENT, _MAX_EXPONENT = -126, 126
+
+
+def _pow2(e: jax.Array) -> jax.Array:
+    """``2.0 ** e`` in float32, exactly, for integer ``e`` in ``[-126, 127]``."""
+    return lax.bitcast_convert_type((e.astype(jnp.int32) + 127) << 23, jnp.float32)
+
+
+def _rows(x: jax.Array, batch, free, contract) -> jax.Array:
+    """``x`` as ``(B, F, K)``: its ``batch``, ``free`` and ``contract`` dimensions, in those
+    orders, each group flattened: the layout of ``jax.nn.scaled_matmul``'s operands."""
+    x = lax.transpose(x, tuple(int(d) for d in (*batch, *free, *contract)))
+    sizes = [math.prod(x.shape[i] for i in range(lo, hi)) for lo, hi in (
+        (0, len(batch)), (len(batch), len(batch) + len(free)), (len(batch) + len(free), x.ndim))]
+    return x.reshape(sizes)
+
+
+def mx_quantize(x: jax.Array, dtype: Any = MX_DTYPE, block: int = MX_BLOCK
+                ) -> tuple[jax.Array, jax.Array]:
+    """``(elements, scales)`` of ``x`` (``(B, F, K)``) in blocks of ``block`` along ``K``.
+
+    Each block's scale is ``2 ** ceil(log2(amax / max(dtype)))`` (E8M0, so no
+    element saturates); the elements are ``x / scale`` rounded to nearest-even
+    ``dtype``, shape ``(B, F, K)``. ``K`` need not be a multiple of ``block``: the
+    last block is padded with zeros (which change neither its amax nor the
+    product), so the scales have shape ``(B, F, ceil(K / block))``. A block of
+    zeros gets scale 1 and stays zero; a block with an inf or NaN gets scale 1
+    and NaN elements (``float8_e4m3fn`` has no inf), so the product is NaN and
+    the loss scaler sees it.
+    """
+    k = x.shape[-1]
+    padded = -(-k // block) * block
+    x = x.astype(jnp.float32)
+    if padded != k:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - k)])
+    blocks = x.reshape(*x.shape[:-1], padded // block, block)
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    # amax / max(dtype) rounded up to a power of two, from the float32 bits alone: the
+    # difference of the exponents, plus one if amax's mantissa is the larger (448 is
+    # 1.75 * 2**8: 449 gets scale 2, 448 scale 1, 224 scale 1/2). Exact, no division.
+    top = int(np.array(jnp.finfo(dtype).max, np.float32).view(np.int32))
+    bits = lax.bitcast_convert_type(amax, jnp.int32)
+    e = (bits >> 23) - (top >> 23) + ((bits & 0x7FFFFF) > (top & 0x7FFFFF)).astype(jnp.int32)
+    e = lax.clamp(np.int32(_MIN_EXPONENT), e, np.int32(_MAX_EXPONENT))
+    e = lax.select(jnp.isfinite(amax) & (amax > 0), e, jnp.zeros_like(e))
+    elements = (blocks * _pow2(-e)[..., None]).astype(dtype).reshape(x.shape)[..., :k]
+    scales = lax.bitcast_convert_type((e + 127).astype(jnp.uint8), E8M0)
+    return elements, scales
+
+
+def _pad_blocks(q: jax.Array, scales: jax.Array, block: int) -> jax.Array:
+    """The elements ``q`` padded with zeros to the whole blocks of ``scales``."""
+    missing = scales.shape[-1] * block - q.shape[-1]
+    return jnp.pad(q, [(0, 0)] * (q.ndim - 1) + [(0, missing)]) if missing else q
+
+
+def _mx_matmul_emulated(qa, sa, qb, sb):
+    """What cuDNN's block-scaled dot computes, with XLA's own products.
+
+    One float8 ``dot_general`` per block of 32 (float32 accumulation), each
+    block's partial products multiplied by its two scales (powers of two:
+    exact) and summed in float32.
+    """
+    qa, qb = _pad_blocks(qa, sa, MX_BLOCK), _pad_blocks(qb, sb, MX_BLOCK)
+    (b, m, k), n = qa.shape, qb.shape[1]
+    blocks = k // MX_BLOCK
+    partial = lax.dot_general(qa.reshape(b, m, blocks, MX_BLOCK),
+                              qb.reshape(b, n, blocks, MX_BLOCK),
+                              (((3,), (3,)), ((0, 2), (0, 2))),
+                              preferred_element_type=jnp.float32)  # (b, blocks, m, n)
+    sa = jnp.transpose(sa.astype(jnp.float32), (0, 2, 1))[..., None]
+    sb = jnp.transpose(sb.astype(jnp.float32), (0, 2, 1))[:, :, None, :]
+    return jnp.sum(partial * sa * sb, axis=1)
+
+
+@jax.custom_batching.custom_vmap
+def _mx_matmul_cudnn(qa, sa, qb, sb):
+    """``jax.nn.scaled_matmul``: cuDNN's block-scaled dot (``__op$block_scaled_dot``)."""
+    qa, qb = _pad_blocks(qa, sa, MX_BLOCK), _pad_blocks(qb, sb, MX_BLOCK)
+    return jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=jnp.float32)
+
+
+@_mx_matmul_cudnn.def_vmap
+def _mx_matmul_cudnn_vmap(axis_size, in_batched, qa, sa, qb, sb):
+    # JAX's batching rule wants all four operands mapped alike; a weight shared
+    # by every example (unmapped) is broadcast, and the mapped axis joins B.
+    args = [x if mapped else jnp.broadcast_to(x, (axis_size, *x.shape))
+            for x, mapped in zip((qa, sa, qb, sb), in_batched)]
+    folded = [x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in args]
+    out = _mx_matmul_cudnn(*folded)
+    return out.reshape(axis_size, -1, *out.shape[1:]), True
+
+
+def _mx_matmul_cuda(qa, sa, qb, sb):
+    """:func:`_mx_matmul_cudnn`, its result typed as varying over the ``shard_map`` axes its
+    operands vary over (JAX's custom call does not say, and both branches must agree)."""
+    axes = set().union(*(sharding.varying_axes(x) for x in (qa, sa, qb, sb)))
+    return sharding.as_varying(_mx_matmul_cudnn(qa, sa, qb, sb), tuple(sorted(axes, key=str)))
+
+
+def _mx_matmul(qa, sa, qb, sb):
+    """The float32 product ``(B, M, N)`` of MX operands ``(B, M, K)`` and ``(B, N, K)``.
+
+    The choice is made when the program is lowered (``lax.platform_dependent``):
+    cuDNN's block-scaled dot on CUDA, :func:`_mx_matmul_emulated` elsewhere.
+    """
+    return lax.platform_dependent(qa, sa, qb, sb, cuda=_mx_matmul_cuda,
+                                  default=_mx_matmul_emulated)
+
+
+def _block_scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, quantize, matmul):
+    """``dot_general(a, b)`` with block-scaled operands, forward and backward.
+
+    ``quantize`` takes an operand laid out as ``(B, F, K)`` and returns its
+    elements and block scales along ``K``; ``matmul`` multiplies two such
+    operands into a float32 ``(B, M, N)``. Every product quantizes its
+    operands along its own contracting dimension: the forward product along
+    the contracting dimensions of ``dot_general``; the input gradient
+    (``ct . b``) along ``b``'s free dimensions; the weight gradient
+    (``a . ct``) along ``a``'s free dimensions (a layer's batch and token
+    dimensions). The backward operands ``a`` and ``b`` are quantized in the
+    forward pass, from the values themselves (not from their forward
+    quantization), and saved in float8 with their scales.
+    """
+    del matmul_dtype  # the recipe's quantize says which float8 dtype
+    (ac, bc), (ab, bb) = dimension_numbers
+    a_free = [d for d in range(a.ndim) if d not in ac and d not in ab]
+    b_free = [d for d in range(b.ndim) if d not in bc and d not in bb]
+    nb = len(ab)
+    ct_batch = list(range(nb))
+    ct_a = list(range(nb, nb + len(a_free)))
+    ct_b = list(range(nb + len(a_free), nb + len(a_free) + len(b_free)))
+
+    def undo(y, x, dims, dtype):
+        """``y`` (``(B, F, K)``, float32) back in the layout of ``x`` whose dims it lists."""
+        y = y.reshape([x.shape[d] for d in dims])
+        return lax.transpose(y, tuple(int(i) for i in np.argsort(dims))).astype(dtype)
+
+    @jax.custom_vjp
+    def product(a, b):
+        return forward(a, b)[0]
+
+    def forward(a, b):
+        out = matmul(*quantize(_rows(a, ab, a_free, ac)), *quantize(_rows(b, bb, b_free, bc)))
+        shape = [a.shape[d] for d in (*ab, *a_free)] + [b.shape[d] for d in b_free]
+        residuals = (quantize(_rows(a, ab, ac, a_free)), quantize(_rows(b, bb, bc, b_free)))
+        return out.reshape(shape).astype(out_dtype), residuals
+
+    def backward(residuals, ct):
+        a_t, b_t = residuals
+        # d/da: ct (B, M, N) times b (B, K, N), both in blocks along b's free dimensions.
+        da = matmul(*quantize(_rows(ct, ct_batch, ct_a, ct_b)), *b_t)
+        # d/db: a (B, K, M) times ct (B, N, M), both in blocks along a's free dimensions.
+        db = matmul(*a_t, *quantize(_rows(ct, ct_batch, ct_b, ct_a)))
+        return (undo(da, a, [*ab, *a_free, *ac], a.dtype),
+                undo(db, b, [*bb, *bc, *b_free], b.dtype))
+
+    product.defvjp(forward, backward)
+    return product(a, b)
+
+
+# --- The recipes -----------------------------------------------------------------------------
+
+
+class Recipe(NamedTuple):
+    """One way of scaling the float8 products of ``autocast``: a row of :data:`RECIPES`.
+
+    Attributes:
+        name: its ``float8_scaling`` name.
+        matmul_dtypes: the ``matmul_dtype`` values it takes.
+        block: elements per scale along the contracting dimension of the
+            products it block-scales; 0 for one scale per tensor.
+        blocked: the primitives it block-scales; the others (convolutions
+            under ``"mxfp8"``) run with one scale per tensor.
+        dot: ``dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype)``, the
+            scaled ``dot_general`` with its float8 backward products.
+        conv: ``conv(a, b, *, params, matmul_dtype, out_dtype)``, the same for
+            ``conv_general_dilated``.
+        summary: what it does, for error messages.
+    """
+
+    name: str
+    matmul_dtypes: tuple
+    block: int
+    blocked: frozenset
+    dot: Callable
+    conv: Callable
+    summary: str
+
+
+#: The float8 scaling recipes, by ``float8_scaling`` name: one row each.
+RECIPES = {
+    "tensor": Recipe(
+        "tensor", FLOAT8_DTYPES, 0, frozenset(), _scaled_dot, _scaled_conv,
+        "one power-of-two scale per tensor; cotangents in float8_e5m2"),
+    "mxfp8": Recipe(
+        "mxfp8", (MX_DTYPE,), MX_BLOCK, frozenset({"dot_general"}),
+        functools.partial(_block_scaled_dot, quantize=mx_quantize, matmul=_mx_matmul),
+        _scaled_conv,
+        "OCP MXFP8: float8_e4m3fn elements with one E8M0 scale per 32 elements along each "
+        "product's contracting dimension, forward and backward"),
+}
+#: The recipe used when none is named.
+DEFAULT_RECIPE = "tensor"
+
+
+def check_scaling(float8_scaling: Any, matmul_dtype: np.dtype | None) -> Recipe:
+    """The :data:`RECIPES` row named ``float8_scaling``, for ``matmul_dtype`` (checked).
+
+    ``matmul_dtype`` is what :func:`check_matmul_dtype` returned (``None``:
+    products in the compute dtype). Raises a ``ValueError`` naming the problem
+    and the fix for an unknown name, a recipe other than ``"tensor"`` without
+    a float8 ``matmul_dtype``, or a ``matmul_dtype`` the recipe does not take.
+    """
+    recipe = RECIPES.get(float8_scaling) if isinstance(float8_scaling, str) else None
+    if recipe is None:
+        hint = ""
+        if isinstance(float8_scaling, str) and float8_scaling.lower() in RECIPES:
+            hint = f" Names are lower case: float8_scaling={float8_scaling.lower()!r}."
+        elif isinstance(float8_scaling, str) and "fp4" in float8_scaling.lower():
+            hint = " 4-bit formats (mxfp4, nvfp4) are not implemented."
+        raise ValueError(
+            f"float8_scaling must be one of {sorted(RECIPES)}: 'tensor' (default, one scale "
+            f"per tensor) or 'mxfp8' (one scale per block of {MX_BLOCK}); got "
+            f"{float8_scaling!r}." + hint)
+    if matmul_dtype is None:
+        if recipe.name != DEFAULT_RECIPE:
+            raise ValueError(
+                f"float8_scaling={recipe.name!r} scales float8 matrix products, but "
+                "matmul_dtype is None (or the compute dtype): the products run in the compute "
+                "dtype and there is nothing to scale.\n"
+                f"  Fix: pass matmul_dtype=jnp.{recipe.matmul_dtypes[0].name} with "
+                f"float8_scaling={recipe.name!r}, or leave float8_scaling out.")
+        return recipe
+    if np.dtype(matmul_dtype) not in recipe.matmul_dtypes:
+        takes = " or ".join(f"jnp.{d.name}" for d in recipe.matmul_dtypes)
+        raise ValueError(
+            f"float8_scaling={recipe.name!r} takes matmul_dtype={takes} ({recipe.summary}); "
+            f"got {np.dtype(matmul_dtype).name}.\n"
+            f"  Fix: matmul_dtype={takes}, or float8_scaling='tensor' for "
+            f"{np.dtype(matmul_dtype).name} products with one scale per tensor.")
+    return recipe
+
+
+def scaled_product(eqn, invals, compute_dtype: np.dtype, matmul_dtype: np.dtype,
+                   recipe: Recipe | None = None) -> jax.Array:
     """The float8 replacement of a ``dot_general`` or ``conv_general_dilated`` equation.
 
-    The operands keep the dtypes they have (a float32 weight is quantized
-    from float32); the result is in ``compute_dtype``. The new equations
-    carry the source location of ``eqn`` (the user's line).
+    ``recipe`` is a row of :data:`RECIPES` (default ``"tensor"``). The
+    operands keep the dtypes they have (a float32 weight is quantized from
+    float32); the result is in ``compute_dtype``. The new equations carry the
+    source location of ``eqn`` (the user's line).
     """
+    recipe = RECIPES[DEFAULT_RECIPE] if recipe is None else recipe
     a, b = invals
     with interpret.at_source_of(eqn):
         if eqn.primitive.name == "dot_general":
-            return _scaled_dot(a, b, dimension_numbers=eqn.params["dimension_numbers"],
-                               matmul_dtype=matmul_dtype, out_dtype=compute_dtype)
-        return _scaled_conv(a, b, params=dict(eqn.params), matmul_dtype=matmul_dtype,
-                            out_dtype=compute_dtype)
+            return recipe.dot(a, b, dimension_numbers=eqn.params["dimension_numbers"],
+                              matmul_dtype=matmul_dtype, out_dtype=compute_dtype)
+        return recipe.conv(a, b, params=dict(eqn.params), matmul_dtype=matmul_dtype,
+                           out_dtype=compute_dtype)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from jaxmp._src import kernel
 
+
 def mp_value_and_grad(
     fn: Callable,
     *,
@@ -21,6 +22,7 @@ def mp_value_and_grad(
     autocast: bool = True,
     reduce_dtype: Any = None,
     matmul_dtype: Any = None,
+    float8_scaling: str = "tensor",
 ) -> Callable:
     """Like ``jax.value_and_grad``, in mixed precision with loss scaling.
 
@@ -110,6 +112,11 @@ def mp_value_and_grad(
         matmul_dtype: with ``autocast=True``, ``jnp.float8_e4m3fn`` runs the
             matrix products in float8 (``jaxmp.autocast``'s ``matmul_dtype``);
             ``None`` (default): in ``compute_dtype``.
+        float8_scaling: how those float8 products are scaled
+            (``jaxmp.autocast``'s ``float8_scaling``): ``"tensor"`` (default),
+            one scale per tensor; ``"mxfp8"``, one power-of-two scale per block
+            of 32 elements along each product's contracting dimension (OCP
+            MXFP8, ``matmul_dtype=jnp.float8_e4m3fn``).
 
     Returns:
         A function returning ``(loss, grads, scaler_state, finite)``, or
@@ -117,7 +124,7 @@ def mp_value_and_grad(
         ``grads`` is a tuple when ``argnums`` is a sequence.
 
     Examples:
-        >>> import jax.numpy as jnp
+        >>> import jax, jax.numpy as jnp
         >>> import jaxmp
         >>> def loss_fn(w, x):
         ...     return jnp.mean((x @ w) ** 2)
@@ -127,12 +134,21 @@ def mp_value_and_grad(
         ...     w, x, scaler_state=state)
         >>> float(loss), grads.dtype, bool(finite)
         (9.0, dtype('float32'), True)
+
+        Matrix products in block-scaled float8 (MXFP8), forward and backward:
+
+        >>> w, x = jnp.ones((64, 32)), jnp.ones((32, 64))  # dimensions: multiples of 32
+        >>> loss, grads, state, finite = jax.jit(jaxmp.mp_value_and_grad(
+        ...     loss_fn, compute_dtype=jnp.bfloat16, matmul_dtype=jnp.float8_e4m3fn,
+        ...     float8_scaling="mxfp8"))(w, x, scaler_state=jaxmp.noop_scaler())
+        >>> float(loss), float(grads[0, 0]), bool(finite)
+        (4096.0, 4.0, True)
     """
     step = kernel.Step.create(
         fn, api="jaxmp.mp_value_and_grad", argnums=argnums, no_cast_argnums=no_cast_argnums,
         has_aux=has_aux, compute_dtype=compute_dtype, use_mixed_precision=use_mixed_precision,
         axis_name=axis_name, autocast=autocast,
-        reduce_dtype=reduce_dtype, matmul_dtype=matmul_dtype)
+        reduce_dtype=reduce_dtype, matmul_dtype=matmul_dtype, float8_scaling=float8_scaling)
 
     @kernel.wraps_adding_scaler_state(fn)
     def value_and_grad_fn(*args, scaler_state=kernel.REQUIRED, **kwargs):

@@ -147,13 +147,13 @@ def split_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
 
 
 def prepare_call(fn: Callable, compute_dtype: Any, use_mixed_precision: bool, autocast: bool,
-                 matmul_dtype: Any = None):
+                 matmul_dtype: Any = None, float8_scaling: str = "tensor"):
     """Checks ``compute_dtype`` and returns ``(call, input_dtype)`` for a gradient step.
 
     ``call`` is the function to differentiate; ``input_dtype`` is the dtype its
     floating inputs are cast to, or ``None`` when ``autocast`` chooses the
-    precision of each operation itself. ``matmul_dtype`` (a float8 dtype)
-    goes to autocast, which it needs.
+    precision of each operation itself. ``matmul_dtype`` (a float8 dtype) and
+    ``float8_scaling`` (its recipe) go to autocast, which they need.
     """
     compute_dtype = casting.canonical_float_dtype(
         compute_dtype, allowed=casting.COMPUTE_DTYPES, what="compute_dtype"
@@ -161,6 +161,7 @@ def prepare_call(fn: Callable, compute_dtype: Any, use_mixed_precision: bool, au
     from jaxmp._src import float8  # pylint: disable=g-import-not-at-top
 
     matmul_dtype = float8.check_matmul_dtype(matmul_dtype, compute_dtype)
+    recipe = float8.check_scaling(float8_scaling, matmul_dtype)
     if matmul_dtype is not None and not autocast:
         raise ValueError(
             f"matmul_dtype={matmul_dtype.name} needs autocast=True: float8 products are "
@@ -170,8 +171,8 @@ def prepare_call(fn: Callable, compute_dtype: Any, use_mixed_precision: bool, au
     if autocast:
         from jaxmp._src import autocast as autocast_lib  # pylint: disable=g-import-not-at-top
 
-        return autocast_lib.autocast(fn, compute_dtype=compute_dtype,
-                                     matmul_dtype=matmul_dtype), None
+        return autocast_lib.autocast(fn, compute_dtype=compute_dtype, matmul_dtype=matmul_dtype,
+                                     float8_scaling=recipe.name), None
     return fn, compute_dtype
 
 
@@ -251,6 +252,7 @@ class Step:
         autocast: bool,
         reduce_dtype: Any = None,
         matmul_dtype: Any = None,
+        float8_scaling: str = "tensor",
     ) -> "Step":
         """Validates the options of ``api`` (e.g. ``"jaxmp.mp_value_and_grad"``)."""
         if not callable(fn):
@@ -265,7 +267,7 @@ class Step:
                 "uncast. Remove it from one of them."
             )
         call, input_dtype = prepare_call(fn, compute_dtype, use_mixed_precision, autocast,
-                                         matmul_dtype)
+                                         matmul_dtype, float8_scaling)
         reduce_dtype = sharding.check_reduce_dtype(reduce_dtype)
         if use_mixed_precision:  # under jit, XLA's gradient all-reduces in reduce_dtype
             call = sharding.widen_gradient_products(call, reduce_dtype)

@@ -1,0 +1,433 @@
+"""Block-scaled float8 (MXFP8) products: ``float8_scaling="mxfp8"``, against NumPy and float32.
+
+The reference quantizer here is written from the OCP MX v1.0 rules the
+feature follows, in NumPy, without jaxmp: blocks of 32 consecutive elements
+along a product's contracting dimension, each with the scale
+``2 ** ceil(log2(amax / 448))``, elements rounded to nearest-even
+float8_e4m3fn, products in float32 (here float64).
+"""
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxmp
+from jaxmp._src import census
+from jaxmp._src import float8
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+F32 = jnp.float32
+BLOCK_DOT = "__op$block_scaled_dot"
+
+
+# --- The NumPy reference -----------------------------------------------------------------------
+
+
+def _round_e4m3(v):
+    """``v`` (``|v| <= 448``) rounded to nearest-even float8_e4m3fn: 3 mantissa bits, normal
+    exponents from -6, subnormals below 2**-6 with a spacing of 2**-9."""
+    v = np.asarray(v, np.float64)
+    mag = np.abs(v)
+    exponent = np.maximum(np.floor(np.log2(np.where(mag > 0, mag, 1.0))), -6)
+    step = 2.0 ** (exponent - 3)
+    return np.round(v / step) * step  # np.round rounds halves to even
+
+
+def _mx(x, axis=-1):
+    """``x`` quantized to MXFP8 along ``axis`` and dequantized (float64): blocks of 32 (the last
+    one padded with zeros), scale 2**ceil(log2(amax / 448)), an all-zero block stays zero."""
+    x = np.moveaxis(np.asarray(x, np.float64), axis, -1)
+    k = x.shape[-1]
+    padded = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -k % 32)])
+    blocks = padded.reshape(*padded.shape[:-1], -1, 32)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    scale = np.where(amax > 0, 2.0 ** np.ceil(np.log2(np.where(amax > 0, amax, 1.0) / 448)), 1.0)
+    assert np.all(np.abs(blocks / scale) <= 448)  # no element saturates
+    dequantized = (_round_e4m3(blocks / scale) * scale).reshape(padded.shape)[..., :k]
+    return np.moveaxis(dequantized, -1, axis)
+
+
+def _close(got, want, magnitude):
+    """``got`` equals ``want`` to float32 rounding of sums of products whose absolute values sum
+    to ``magnitude`` (elementwise)."""
+    got = np.asarray(got, np.float64)
+    worst = np.max(np.abs(got - want) / (1e-5 * magnitude + 1e-30))
+    assert worst <= 1, f"off by {worst:.3g} times float32's rounding"
+
+
+def _rows(shape, seed, outliers=()):
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    for row in outliers:
+        x[row] *= 1e5  # a few rows 1e5 times larger than the rest
+    return x
+
+
+def _mx_fn(fn, compute_dtype=F32, **kw):
+    return jax.jit(jaxmp.autocast(fn, compute_dtype, matmul_dtype=E4M3, float8_scaling="mxfp8",
+                                  **kw))
+
+
+def _matmul(w, x):
+    return x @ w
+
+
+def _rel(a, b, axis=None):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b, axis=axis) / np.linalg.norm(b, axis=axis)
+
+
+# --- The quantizer and the forward product -----------------------------------------------------
+
+
+def test_reference_rounding_is_float8_e4m3fn():
+    # The reference's rounding against ml_dtypes' (what jnp.float8_e4m3fn is), on every
+    # e4m3 value and the midpoints between them.
+    values = np.asarray(np.arange(256, dtype=np.uint8).view(E4M3), np.float64)
+    values = np.sort(values[np.isfinite(values) & (np.abs(values) <= 448)])
+    probe = np.concatenate([values, (values[1:] + values[:-1]) / 2])
+    np.testing.assert_array_equal(_round_e4m3(probe),
+                                  np.asarray(probe.astype(np.float32).astype(E4M3), np.float64))
+
+
+@pytest.mark.parametrize("k", [64, 40])  # 40: a last block of 8, padded with zeros
+def test_quantized_operand_is_the_reference(k):
+    x = _rows((6, k), 0, outliers=(2,)) * np.float32(3e-3)
+    x[4, :32] = 0.0  # an all-zero block
+    elements, scales = jax.jit(float8.mx_quantize)(jnp.asarray(x)[None])
+    assert elements.dtype == E4M3 and elements.shape == (1, 6, k)
+    assert scales.dtype == jnp.float8_e8m0fnu and scales.shape == (1, 6, -(-k // 32))
+    scale = np.repeat(np.asarray(scales[0], np.float64), 32, axis=-1)[:, :k]
+    np.testing.assert_array_equal(np.asarray(elements[0], np.float64) * scale, _mx(x))
+    assert not np.any(np.asarray(elements[0, 4, :32], np.float64))  # the zero block stays zero
+
+
+# Products as models write them: (einsum, lhs shape, rhs shape).
+PRODUCTS = [
+    ("mk,kn->mn", (16, 64), (64, 32)),
+    ("mk,kn->mn", (16, 40), (40, 32)),  # not a multiple of 32: padded with zeros
+    ("btk,kn->btn", (2, 8, 64), (64, 16)),
+    ("bqk,bnk->bqn", (2, 8, 96), (2, 16, 96)),  # attention scores: a batch dimension
+]
+
+
+def test_forward_products_match_the_reference():
+    operands = [(_rows(a, 1, outliers=(1,)), _rows(b, 2)) for _, a, b in PRODUCTS]
+    outs = _mx_fn(lambda ops: [jnp.einsum(spec, a, b)
+                               for (spec, _, _), (a, b) in zip(PRODUCTS, ops)])(operands)
+    for (spec, _, _), (a, b), out in zip(PRODUCTS, operands, outs):
+        assert out.dtype == F32
+        # Each operand quantized along its contracting dimension k, then the float64 product.
+        lhs, rhs = spec.split("->")[0].split(",")
+        want = np.einsum(spec, _mx(a, lhs.index("k")), _mx(b, rhs.index("k")))
+        _close(out, want, np.einsum(spec, np.abs(a), np.abs(b)))
+
+
+def test_outlier_rows_cost_the_other_rows_nothing():
+    w, x = _rows((64, 32), 3), _rows((32, 64), 4, outliers=(0, 5))
+    exact = x.astype(np.float64) @ w
+    errors = {scaling: _rel(jax.jit(jaxmp.autocast(_matmul, F32, matmul_dtype=E4M3,
+                                                   float8_scaling=scaling))(w, x), exact, axis=1)
+              for scaling in ("tensor", "mxfp8")}
+    assert errors["mxfp8"].max() < 0.1  # every row keeps e4m3's precision
+    assert errors["tensor"].max() > 0.5  # one scale for all: the small rows flush to zero
+
+
+def _mx_vjp(fn=_matmul, compute_dtype=F32):
+    """``(args, ct) -> (fn(*args), its vjp of ct)`` under autocast with mxfp8, jitted."""
+    f = jaxmp.autocast(fn, compute_dtype, matmul_dtype=E4M3, float8_scaling="mxfp8")
+
+    @jax.jit
+    def run(args, ct):
+        out, vjp = jax.vjp(f, *args)
+        return out, vjp(ct)
+
+    return run
+
+
+def test_zero_blocks_stay_zero_and_nonfinite_values_stay_nonfinite():
+    w, x = _rows((64, 32), 5), _rows((16, 64), 6)
+    run = _mx_vjp()
+    zeros, _ = run((w, np.zeros_like(x)), jnp.ones((16, 32)))
+    assert not np.any(np.asarray(zeros))
+    x[3, :] = 0.0  # a zero row: zero blocks in the forward and weight-gradient products
+    out, (dw, dx) = run((w, x), jnp.ones((16, 32)))
+    assert not np.any(np.asarray(out[3])) and np.isfinite(np.asarray(out)).all()
+    assert np.isfinite(np.asarray(dw)).all() and np.isfinite(np.asarray(dx)).all()
+    # An inf in an operand or a cotangent: non-finite where it reaches (the scaler sees it).
+    out, (dw, dx) = run((w, jnp.asarray(x).at[0, 0].set(jnp.inf)),
+                        jnp.ones((16, 32)).at[2, 3].set(jnp.inf))
+    assert not np.isfinite(np.asarray(out[0])).any() and np.isfinite(np.asarray(out[1:])).all()
+    assert not np.isfinite(np.asarray(dw)).all() and not np.isfinite(np.asarray(dx)).all()
+
+
+# --- The backward products ---------------------------------------------------------------------
+
+
+def test_backward_products_quantize_along_their_own_contracting_dimension():
+    # x: (batch, tokens, features) with a few large tokens; ct: (batch, tokens, outputs).
+    w, ct = _rows((64, 48), 9), _rows((2, 20, 48), 11)
+    x = _rows((40, 64), 10, outliers=(3, 17, 25)).reshape(2, 20, 64)
+    _, (dw, dx) = _mx_vjp()((w, x), jnp.asarray(ct))
+    ct, x = ct.reshape(40, 48), x.reshape(40, 64)
+    # Input gradient ct . w^T: both in blocks along the outputs (w's free dimension).
+    _close(dx.reshape(40, 64), _mx(ct, 1) @ _mx(w, 1).T, np.abs(ct) @ np.abs(w).T)
+    # Weight gradient x^T . ct: both in blocks along batch and tokens together (the 40
+    # tokens of both examples, padded to 64).
+    want = _mx(x, 0).T @ _mx(ct, 0)
+    _close(dw, want, np.abs(x).T @ np.abs(ct))
+    # Not the forward's blocks (along the features), nor per example: other numbers.
+    with pytest.raises(AssertionError, match="float32's rounding"):
+        _close(dw, _mx(x, 1).T @ _mx(ct, 0), np.abs(x).T @ np.abs(ct))
+    per_example = sum(_mx(x[i:i + 20], 0).T @ _mx(ct[i:i + 20], 0) for i in (0, 20))
+    with pytest.raises(AssertionError, match="float32's rounding"):
+        _close(dw, per_example, np.abs(x).T @ np.abs(ct))
+
+
+def test_gradients_are_within_ten_percent_of_float32():
+    w, x = _rows((64, 32), 15) / 8, _rows((32, 64), 16)
+
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(_matmul(w, x)) * jnp.linspace(-1.0, 1.0, 32))
+
+    ref = jax.jit(jax.grad(loss, argnums=(0, 1)))(w, x)
+    got = jax.grad(_mx_fn(loss, jnp.bfloat16), argnums=(0, 1))(w, x)
+    for g, r in zip(got, ref):
+        assert g.dtype == r.dtype == F32
+        assert _rel(g, r) < 0.1
+
+
+# --- Where the products run --------------------------------------------------------------------
+
+
+def _grad_step(w, x):
+    loss = lambda w, x: jnp.sum(_mx_fn(_matmul, jnp.bfloat16)(w, x) ** 2)
+    return jax.grad(loss, argnums=(0, 1))(w, x)
+
+
+def test_cuda_lowering_runs_every_product_as_cudnn_block_scaled_dot():
+    w, x = jnp.ones((64, 32)), jnp.ones((72, 64))  # 72 tokens: the weight gradient is padded
+    text = jax.jit(_mx_fn(_matmul)).trace(w, x).lower(lowering_platforms=("cuda",)).as_text()
+    (call,) = [line for line in text.splitlines() if BLOCK_DOT in line]
+    assert "f8E4M3FN" in call and "f8E8M0FNU" in call
+    step = jax.jit(_grad_step).trace(w, x).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in step.splitlines() if BLOCK_DOT in line]
+    assert len(calls) == 3 and "stablehlo.dot_general" not in step  # forward and both backward
+    # The weight gradient contracts the 72 tokens padded to 96: three blocks of 32.
+    assert sum("x96xf8E4M3FN>" in c for c in calls) == 1, calls
+
+
+def test_cpu_runs_the_emulation_in_float8_dot_generals():
+    w, x = jnp.ones((64, 32)), jnp.ones((32, 64))
+    text = jax.jit(_grad_step).trace(w, x).lower(lowering_platforms=("cpu",)).as_text()
+    assert "custom_call" not in text
+    assert jaxmp.matmul_flops(_grad_step, w, x, platform="cpu") == {
+        "float8_e4m3fn": 3 * 2 * 32 * 64 * 32}
+
+
+def test_tensor_is_the_default_and_unchanged():
+    w, x = _rows((64, 32), 17), _rows((16, 64), 18)
+    default = jaxmp.autocast(_matmul, jnp.bfloat16, matmul_dtype=E4M3)
+    tensor = jaxmp.autocast(_matmul, jnp.bfloat16, matmul_dtype=E4M3, float8_scaling="tensor")
+    program = str(jax.make_jaxpr(jax.grad(lambda w, x: jnp.sum(default(w, x))))(w, x))
+    assert str(jax.make_jaxpr(jax.grad(lambda w, x: jnp.sum(tensor(w, x))))(w, x)) == program
+    assert "platform_index" not in program and "e5m2" in program  # per-tensor, e5m2 cotangent
+    assert float8.check_scaling("tensor", None) is float8.RECIPES[float8.DEFAULT_RECIPE]
+
+
+def test_vmap_scan_and_nested_autocast():
+    w, xs = _rows((64, 32), 19), _rows((3, 16, 64), 20, outliers=(0,))
+    f = _mx_fn(_matmul)
+    per_example = jax.jit(jax.vmap(f, in_axes=(None, 0)))(w, xs)
+    for x, out in zip(xs, per_example):  # each example gets its own blocks, as alone
+        _close(out, _mx(x, 1) @ _mx(w, 0), np.abs(x) @ np.abs(w))
+    lowered = jax.jit(jax.vmap(f, in_axes=(None, 0))).trace(w, xs).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert BLOCK_DOT in lowered
+    _, ys = jax.lax.scan(lambda c, x: (c, f(w, x)), 0.0, xs)
+    np.testing.assert_array_equal(np.asarray(ys), np.asarray(per_example))
+    # An outer autocast (mp_value_and_grad) keeps an inner mxfp8 autocast's products.
+    grad_fn = jaxmp.mp_value_and_grad(lambda w, x: jnp.mean(f(w, x) ** 2),
+                                      compute_dtype=jnp.bfloat16)
+    step = lambda w, x: grad_fn(w, x, scaler_state=jaxmp.noop_scaler())
+    cuda = jax.jit(step).trace(w, xs[0]).lower(lowering_platforms=("cuda",)).as_text()
+    # (The outer autocast re-binds the platform choice as a plain switch, so the CUDA text
+    # also holds the emulation, in the branch a constant index never takes.)
+    assert BLOCK_DOT in cuda
+
+
+def test_shard_map():
+    # Each device quantizes its own shard; the CUDA branch's result is typed as varying over
+    # the mesh axis like the emulation's (jax 0.8 refuses branches that disagree).
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    w, x = _rows((64, 32), 31) / 8, _rows((64, 64), 32)
+    loss = lambda w, x: jnp.sum(jnp.tanh(_matmul(w, x)) ** 2)
+    body = lambda w, x: jax.grad(_mx_fn(loss, jnp.bfloat16))(w, x)  # summed over devices
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+    sharded = jax.device_put(x, NamedSharding(mesh, P("data")))
+    assert _rel(run(w, sharded), jax.jit(jax.grad(loss))(w, x)) < 0.1
+    assert BLOCK_DOT in run.trace(w, sharded).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_padding_and_per_tensor_convolutions_are_reported():
+    def fn(w, k, x, images):
+        return jnp.sum(x @ w) + jnp.sum(jax.lax.conv(images, k, (1, 1), "SAME"))
+
+    w, x = jnp.ones((40, 32)), jnp.ones((32, 40))  # contracts 40: padded to 64
+    k, images = jnp.ones((4, 3, 3, 3)), jnp.ones((2, 3, 8, 8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.eval_shape(_mx_fn(fn, jnp.bfloat16), w, k, x, images)
+    said = [str(c.message) for c in caught if c.category is jaxmp.Float8ShortfallWarning]
+    assert len(said) == 2, said
+    assert any("contracts 40 elements, padded to 64" in m and "forward product" in m
+               for m in said), said
+    assert any("one scale per tensor" in m and "conv_general_dilated" in m for m in said), said
+    # Keeping convolutions out of float8 on purpose silences the second.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.eval_shape(_mx_fn(fn, jnp.bfloat16,
+                              float8_rules=jaxmp.Float8Rules(primitives={"dot_general"})),
+                       w, k, x, images)
+    assert ["padded" in str(c.message) for c in caught] == [True]
+
+
+def test_convolutions_keep_the_per_tensor_product():
+    k, images = _rows((4, 3, 3, 3), 21), _rows((2, 3, 8, 8), 22)
+    loss = lambda k, images: jnp.sum(jax.lax.conv(images, k, (1, 1), "SAME") ** 2)
+    tensor = jaxmp.autocast(loss, F32, matmul_dtype=E4M3)
+    mx = jaxmp.autocast(loss, F32, matmul_dtype=E4M3, float8_scaling="mxfp8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jaxmp.Float8ShortfallWarning)
+        program = str(jax.make_jaxpr(mx)(k, images))
+    assert program == str(jax.make_jaxpr(tensor)(k, images))  # the same program
+    assert "conv_general_dilated" in program and "platform_index" not in program
+
+
+# --- Arguments ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"matmul_dtype": E4M3, "float8_scaling": "mxfp4"}, "float8_scaling must be one of"),
+    ({"matmul_dtype": E4M3, "float8_scaling": "MXFP8"}, "lower case"),
+    ({"matmul_dtype": E4M3, "float8_scaling": None}, "float8_scaling must be one of"),
+    ({"float8_scaling": "mxfp8"}, "Fix: pass matmul_dtype=jnp.float8_e4m3fn"),
+    ({"matmul_dtype": E5M2, "float8_scaling": "mxfp8"}, "Fix: matmul_dtype=jnp.float8_e4m3fn"),
+])
+@pytest.mark.parametrize("api", ["autocast", "mp_value_and_grad", "mp_grad",
+                                 "accumulate_value_and_grad", "find_nonfinite"])
+def test_invalid_float8_scaling_raises_with_the_fix(api, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        if api == "autocast":
+            jaxmp.autocast(_matmul, jnp.bfloat16, **kwargs)
+        elif api == "accumulate_value_and_grad":
+            jaxmp.accumulate_value_and_grad(_matmul, 2, compute_dtype=jnp.bfloat16, **kwargs)
+        else:
+            getattr(jaxmp, api)(_matmul, compute_dtype=jnp.bfloat16, **kwargs)
+
+
+def test_find_nonfinite_checks_the_mxfp8_step():
+    # A product beyond float16's range is found at its line; the float32 shadow of the
+    # block-scaled products (quantised with the shadow's own block scales) is exact.
+    w = jnp.ones((64, 32))
+    big = 1e3 * jax.random.uniform(jax.random.key(0), (8, 64), minval=0.5, maxval=1.5)
+    loss = lambda w, x: jnp.mean(jnp.tanh((x @ w) / 1e4))  # x @ w is about 6.4e4 .. 9.6e4
+    report = jaxmp.find_nonfinite(loss, matmul_dtype=E4M3, float8_scaling="mxfp8")(w, big)
+    first = report.findings[0]
+    assert (first.phase, first.kind, first.dtype) == ("forward", "overflow", "float16")
+    assert "test_mxfp8.py" in first.where and first.float32_max > 65504
+    np.testing.assert_allclose(report.loss_float32, loss(w, big), rtol=1e-6)
+
+
+# --- Training steps ----------------------------------------------------------------------------
+
+
+def _loss(params, x, y):
+    h = jax.nn.gelu(x @ params["w1"])
+    return jnp.mean((h @ params["w2"] - y) ** 2)
+
+
+def _params_and_batch():
+    params = {"w1": _rows((64, 32), 23) / 8, "w2": _rows((32, 32), 24) / 6}
+    return params, _rows((64, 64), 25), _rows((64, 32), 26)
+
+
+def test_mp_value_and_grad_and_accumulate_run_mxfp8_and_match_float32():
+    params, x, y = _params_and_batch()
+    ref_loss, ref = jax.jit(jax.value_and_grad(_loss))(params, x, y)
+    options = dict(compute_dtype=jnp.bfloat16, matmul_dtype=E4M3, float8_scaling="mxfp8")
+    whole = jaxmp.mp_value_and_grad(_loss, **options)
+    micro = jaxmp.accumulate_value_and_grad(_loss, 2, **options)
+    for grad_fn in (whole, micro):
+        step = lambda p, x, y, f=grad_fn: f(p, x, y, scaler_state=jaxmp.noop_scaler())
+        loss, grads, _, finite = jax.jit(step)(params, x, y)
+        assert bool(finite) and abs(float(loss) / float(ref_loss) - 1) < 0.05
+        for name in params:
+            assert grads[name].dtype == F32 and _rel(grads[name], ref[name]) < 0.1, name
+    cuda = jax.jit(step).trace(params, x, y).lower(lowering_platforms=("cuda",)).as_text()
+    assert BLOCK_DOT in cuda and "stablehlo.dot_general" not in cuda
+    grad_fn = jaxmp.mp_grad(_loss, **options)
+    step = lambda p, x, y: grad_fn(p, x, y, scaler_state=jaxmp.noop_scaler())
+    assert sum(eqn.primitive.name == "scaled_matmul_wrapper"  # 2 products, forward + backward
+               for eqn, _, _ in census.walk(jax.make_jaxpr(step)(params, x, y).jaxpr)) == 6
+
+
+def _run_checking_mxfp8(step, *args, layers):
+    """Runs ``step`` on CPU, checking that every product is an MXFP8 product, on CPU and CUDA:
+    for ``layers`` dense layers, the forward product and its two backward products each."""
+    flops = jaxmp.matmul_flops(step, *args, platform="cpu")
+    assert list(flops) == ["float8_e4m3fn"], flops
+    traced = jax.jit(step).trace(*args)
+    cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert BLOCK_DOT in cuda and "stablehlo.dot_general" not in cuda
+    assert sum(eqn.primitive.name == "scaled_matmul_wrapper"
+               for eqn, _, _ in census.walk(traced.jaxpr.jaxpr)) == 3 * layers
+    return traced.lower().compile()(*args)
+
+
+def test_flax_linen_dense_model():
+    import flax.linen as nn
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(32)(nn.gelu(nn.Dense(64)(x)))
+
+    model = MLP()
+    x, y = _rows((32, 32), 27), _rows((32, 32), 28)
+    params = jax.jit(model.init)(jax.random.key(0), x)["params"]
+
+    def loss(params, x, y):
+        return jnp.mean((model.apply({"params": params}, x) - y) ** 2)
+
+    grad_fn = jaxmp.mp_value_and_grad(loss, compute_dtype=jnp.bfloat16, matmul_dtype=E4M3,
+                                      float8_scaling="mxfp8")
+    step = lambda p: grad_fn(p, x, y, scaler_state=jaxmp.noop_scaler())
+    loss_value, grads, _, finite = _run_checking_mxfp8(step, params, layers=2)
+    ref_loss, ref = jax.jit(jax.value_and_grad(loss))(params, x, y)
+    assert bool(finite) and abs(float(loss_value) / float(ref_loss) - 1) < 0.05
+    assert _rel(grads["Dense_0"]["kernel"], ref["Dense_0"]["kernel"]) < 0.1
+
+
+def test_equinox_model():
+    import equinox as eqx
+
+    model = eqx.nn.MLP(32, 32, 32, depth=1, activation=jax.nn.gelu, key=jax.random.key(1))
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    x, y = _rows((32, 32), 29), _rows((32, 32), 30)
+
+    def loss(params, x, y):
+        return jnp.mean((jax.vmap(eqx.combine(params, static))(x) - y) ** 2)
+
+    grad_fn = jaxmp.mp_value_and_grad(loss, compute_dtype=jnp.bfloat16, matmul_dtype=E4M3,
+                                      float8_scaling="mxfp8")
+    step = lambda p: grad_fn(p, x, y, scaler_state=jaxmp.noop_scaler())
+    loss_value, grads, _, finite = _run_checking_mxfp8(step, params, layers=2)
+    ref_loss, ref = jax.jit(jax.value_and_grad(loss))(params, x, y)
+    assert bool(finite) and abs(float(loss_value) / float(ref_loss) - 1) < 0.05
+    assert _rel(grads.layers[0].weight, ref.layers[0].weight) < 0.1
