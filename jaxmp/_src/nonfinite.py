@@ -244,6 +244,98 @@ def _widen(x: Any) -> Any:
     return x if x.dtype == wide else jax.lax.convert_element_type(x, wide)
 
 
+def _shadow_of(eqn, halves: list, shadows: list, outs: list) -> list:
+    """The float32 shadow of ``eqn``'s results ``outs``: ``eqn`` on ``shadows``, its half-precision
+    dtype parameters widened (or, where that cannot run, its results widened)."""
+    name = eqn.primitive.name
+    params = dict(eqn.params)
+    widened = False
+    for key in _DTYPE_PARAMS:
+        if params.get(key) is not None and casting.is_half_dtype(params[key]):
+            params[key] = casting.wide_dtype(params[key])
+            widened = True
+    if not widened and all(h is s for h, s in zip(halves, shadows)):
+        return outs  # nothing half-precision goes in: the shadow is the value itself
+    if name == "reduce_precision":
+        return list(shadows)
+    if name == "bitcast_convert_type":  # bits: the same dtypes, or nothing to compare
+        return _as_written(eqn, halves, shadows, outs)
+    if name in _SCATTERS:
+        # Their reduction is a jaxpr typed for the half dtype: let lax build a float32 one.
+        keep = ("dimension_numbers", "indices_are_sorted", "unique_indices", "mode")
+        return [_SCATTERS[name](*shadows, **{k: params[k] for k in keep if k in params})]
+    if any(isinstance(v, (jex_core.Jaxpr, jex_core.ClosedJaxpr)) or callable(v)
+           for v in params.values()):
+        return [_widen(o) for o in outs]  # a typed sub-computation: the shadow follows
+    try:
+        shadow_outs = interpret.bind(eqn, shadows, params)
+    except Exception:  # pylint: disable=broad-except  (a primitive that insists on its dtypes)
+        return _as_written(eqn, halves, shadows, outs)
+    expected = [casting.wide_dtype(o.dtype) if casting.is_float_dtype(o.dtype) else o.dtype
+                for o in outs]
+    if [s.dtype for s in shadow_outs] != expected:
+        return _as_written(eqn, halves, shadows, outs)
+    return shadow_outs
+
+
+# Per equation signature (primitive, parameters, operand types): one compiled program that
+# computes the value and its shadow together, where eager evaluation would compile two.
+_BOTH: dict[Any, Callable] = {}
+_BOTH_LIMIT = 4096
+
+
+def _both_compiled(eqn, halves: list, shadows: list):
+    """``(outs, shadow_outs)`` of a first-order ``eqn`` on concrete operands, from one
+    compiled program per signature; ``None`` where that does not apply (traced operands,
+    parameters that cannot be a cache key)."""
+    operands = (*halves, *shadows)
+    if eqn.effects or any(not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer)
+                          for x in operands):
+        return None
+    same = tuple(h is s for h, s in zip(halves, shadows))
+    try:
+        key = (eqn.primitive, tuple(sorted(eqn.params.items())), same,
+               tuple((x.shape, x.dtype, getattr(x, "weak_type", False)) for x in operands))
+        run = _BOTH.get(key)
+    except TypeError:  # a parameter that is not hashable
+        return None
+    if run is None:
+        if len(_BOTH) >= _BOTH_LIMIT:
+            _BOTH.clear()
+        identical: list = []  # per result, whether its shadow is the value itself (traced once)
+
+        def both(halves, shadows):
+            shadows = [h if is_same else s for h, s, is_same in zip(halves, shadows, same)]
+            outs = interpret.bind(eqn, halves)
+            shadow_outs = _shadow_of(eqn, halves, shadows, outs)
+            identical[:] = [s is o for s, o in zip(shadow_outs, outs)]
+            return outs, [s for s, i in zip(shadow_outs, identical) if not i]
+
+        run = _BOTH[key] = (jax.jit(both), identical)
+    compiled, identical = run
+    try:
+        outs, rest = compiled(halves, shadows)
+    except Exception:  # pylint: disable=broad-except  (evaluated eagerly instead)
+        _BOTH.pop(key, None)
+        return None
+    rest = iter(rest)
+    # Where nothing half-precision went in, the shadow is the value itself (the same object,
+    # as eager evaluation gives it: later operations see that and skip their shadow).
+    return list(outs), [o if i else next(rest) for o, i in zip(outs, identical)]
+
+
+def _as_written(eqn, halves, shadows, outs) -> list:
+    """The shadow of an equation that runs only in its own dtypes (``bitcast_convert_type``
+    to a narrow float): on the shadow's inputs where they have the dtypes of the values (the
+    bits of a float8 block scale that the shadow computed itself), else the value, widened."""
+    if all(getattr(h, "dtype", None) == getattr(s, "dtype", None)
+           for h, s in zip(halves, shadows)):
+        try:
+            return [_widen(o) for o in interpret.bind(eqn, shadows)]
+        except Exception:  # pylint: disable=broad-except
+            pass
+    return [_widen(o) for o in outs]
+
 
 class _Site(NamedTuple):
     """The static description of one equation that went wrong."""
@@ -335,39 +427,14 @@ class _Shadow(interpret.Interpreter):
     def first_order(self, eqn, invals):
         halves = [h for h, _ in invals]
         shadows = [s for _, s in invals]
-        outs = interpret.bind(eqn, halves)
-        shadow_outs = self._shadow(eqn, halves, shadows, outs)
+        both = _both_compiled(eqn, halves, shadows)
+        if both is None:
+            outs = interpret.bind(eqn, halves)
+            shadow_outs = _shadow_of(eqn, halves, shadows, outs)
+        else:
+            outs, shadow_outs = both
         self._check(eqn, invals, outs, shadow_outs)
         return list(zip(outs, shadow_outs))
-
-    def _shadow(self, eqn, halves, shadows, outs):
-        name = eqn.primitive.name
-        params = dict(eqn.params)
-        widened = False
-        for key in _DTYPE_PARAMS:
-            if params.get(key) is not None and casting.is_half_dtype(params[key]):
-                params[key] = casting.wide_dtype(params[key])
-                widened = True
-        if not widened and all(h is s for h, s in zip(halves, shadows)):
-            return outs  # nothing half-precision goes in: the shadow is the value itself
-        if name == "reduce_precision":
-            return list(shadows)
-        if name in _SCATTERS:
-            # Their reduction is a jaxpr typed for the half dtype: let lax build a float32 one.
-            keep = ("dimension_numbers", "indices_are_sorted", "unique_indices", "mode")
-            return [_SCATTERS[name](*shadows, **{k: params[k] for k in keep if k in params})]
-        if any(isinstance(v, (jex_core.Jaxpr, jex_core.ClosedJaxpr)) or callable(v)
-               for v in params.values()):
-            return [_widen(o) for o in outs]  # a typed sub-computation: the shadow follows
-        try:
-            shadow_outs = interpret.bind(eqn, shadows, params)
-        except Exception:  # pylint: disable=broad-except  (a primitive that insists on its dtypes)
-            return [_widen(o) for o in outs]
-        expected = [casting.wide_dtype(o.dtype) if casting.is_float_dtype(o.dtype) else o.dtype
-                    for o in outs]
-        if [s.dtype for s in shadow_outs] != expected:
-            return [_widen(o) for o in outs]
-        return shadow_outs
 
     def _site(self, eqn, index: int, out) -> int:
         key = (id(eqn), index)
@@ -721,6 +788,7 @@ def find_nonfinite(
     reduce_dtype: Any = None,
     mapped: Callable[[Callable], Callable] | None = None,
     matmul_dtype: Any = None,
+    float8_scaling: str = "tensor",
 ) -> Callable[..., NonfiniteReport]:
     """Finds the operations that overflow in half precision, forward and backward.
 
@@ -788,6 +856,8 @@ def find_nonfinite(
             products, as in :func:`jaxmp.mp_value_and_grad`. The float32
             shadow of a float8 product is the exact float32 product, so a
             product whose float8 result goes wrong is reported at its line.
+        float8_scaling: the float8 recipe, as in :func:`jaxmp.mp_value_and_grad`
+            (``"tensor"`` or ``"mxfp8"``).
 
     Returns:
         A function ``(*args, scaler_state=None, **kwargs) -> NonfiniteReport``.
@@ -845,7 +915,8 @@ def find_nonfinite(
     step = kernel.Step.create(
         loss_fn, api="jaxmp.find_nonfinite", argnums=argnums, no_cast_argnums=no_cast_argnums,
         has_aux=has_aux, compute_dtype=compute_dtype, use_mixed_precision=True,
-        axis_name=axis_name, autocast=autocast, reduce_dtype=reduce_dtype, matmul_dtype=matmul_dtype)
+        axis_name=axis_name, autocast=autocast, reduce_dtype=reduce_dtype, matmul_dtype=matmul_dtype,
+        float8_scaling=float8_scaling)
     # Not the training step's trace-time check of the half-precision share
     # (MostlyFloat32Warning): a diagnosis is not a training step.
     step.traced["census"] = True
