@@ -282,6 +282,18 @@ def _dot(a, b, dimension_numbers):
     return lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32)
 
 
+def _dot_layout(a_ndim: int, b_ndim: int, dimension_numbers) -> tuple[list, list, list, list, list]:
+    """``(a_free, b_free, ct_batch, ct_a, ct_b)`` of ``dot_general(a, b)``: the free dimensions
+    of each operand, and where the product (and its cotangent) holds the batch dimensions,
+    ``a``'s free ones and ``b``'s."""
+    (ac, bc), (ab, bb) = dimension_numbers
+    a_free = [d for d in range(a_ndim) if d not in ac and d not in ab]
+    b_free = [d for d in range(b_ndim) if d not in bc and d not in bb]
+    nb = len(ab)
+    return (a_free, b_free, list(range(nb)), list(range(nb, nb + len(a_free))),
+            list(range(nb + len(a_free), nb + len(a_free) + len(b_free))))
+
+
 def _dot_transposes(ct, a, b, dimension_numbers):
     """The two backward products of ``dot_general(a, b)`` for the cotangent ``ct``, in float32.
 
@@ -289,12 +301,7 @@ def _dot_transposes(ct, a, b, dimension_numbers):
     dimensions, then ``b``'s.
     """
     (ac, bc), (ab, bb) = dimension_numbers
-    a_free = [d for d in range(a.ndim) if d not in ac and d not in ab]
-    b_free = [d for d in range(b.ndim) if d not in bc and d not in bb]
-    nb = len(ab)
-    ct_batch = list(range(nb))
-    ct_a = list(range(nb, nb + len(a_free)))
-    ct_b = list(range(nb + len(a_free), ct.ndim))
+    a_free, b_free, ct_batch, ct_a, ct_b = _dot_layout(a.ndim, b.ndim, dimension_numbers)
     # d/da: contract ct's b-free dimensions with b's free dimensions. The result
     # has a's batch, then a's free dimensions, then b's contracting ones in b's
     # order, each standing for the contracting dimension of a it pairs with.
@@ -542,12 +549,7 @@ def _block_scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, quant
     """
     del matmul_dtype  # the recipe's quantize says which float8 dtype
     (ac, bc), (ab, bb) = dimension_numbers
-    a_free = [d for d in range(a.ndim) if d not in ac and d not in ab]
-    b_free = [d for d in range(b.ndim) if d not in bc and d not in bb]
-    nb = len(ab)
-    ct_batch = list(range(nb))
-    ct_a = list(range(nb, nb + len(a_free)))
-    ct_b = list(range(nb + len(a_free), nb + len(a_free) + len(b_free)))
+    a_free, b_free, ct_batch, ct_a, ct_b = _dot_layout(a.ndim, b.ndim, dimension_numbers)
 
     def undo(y, x, dims, dtype):
         """``y`` (``(B, F, K)``, float32) back in the layout of ``x`` whose dims it lists."""

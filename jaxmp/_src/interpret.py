@@ -372,14 +372,6 @@ def _is_concrete(values) -> bool:
     return not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(values))
 
 
-def _eager_call(interp: Interpreter, eqn, invals):
-    """``checkpoint`` and custom derivative rules: on concrete values, only the primal matters."""
-    inner = eqn.params.get("call_jaxpr", eqn.params.get("jaxpr"))
-    if isinstance(inner, jex_core.ClosedJaxpr):
-        return interp.eval_closed(inner, invals)
-    return interp.eval_jaxpr(inner, (), invals)
-
-
 def _eager_cond(interp: Interpreter, eqn, invals):
     branches = eqn.params["branches"]
     index = int(interp.to_original(invals[0], eqn.invars[0].aval))
@@ -418,8 +410,9 @@ def _eager_while(interp: Interpreter, eqn, invals):
     return _while(interp, eqn, [*cconsts, *bconsts, *carry])  # the rest of a long loop, traced
 
 
-_EAGER = {"checkpoint": _eager_call, "remat": _eager_call, "remat2": _eager_call,
-          "custom_jvp_call": _eager_call, "custom_vjp_call": _eager_call,
+# ``checkpoint`` and custom derivative rules: on concrete values, only the primal matters.
+_EAGER = {"checkpoint": _call, "remat": _call, "remat2": _call,
+          "custom_jvp_call": _call, "custom_vjp_call": _call,
           "cond": _eager_cond, "scan": _eager_scan, "while": _eager_while}
 
 
