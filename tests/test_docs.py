@@ -73,7 +73,13 @@ def test_readme_python_blocks_run_in_order():
     assert namespace["loss"].dtype == "float32" and bool(namespace["jnp"].isfinite(namespace["loss"]))
 
 
-@pytest.mark.parametrize("page", sorted(PAGES))
+# The pages whose recipes compile a step per framework or recipe (15-20 s each) run with
+# the end-to-end runs (slow): CI runs them after the default run.
+SLOW_PAGES = {"float8.md", "low_precision.md"}
+
+
+@pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.slow) if p in SLOW_PAGES
+                                  else p for p in sorted(PAGES)])
 def test_page_python_blocks_run_in_order(page):
     prerequisites = PAGES[page]
     for earlier in prerequisites:  # the page says which page it continues

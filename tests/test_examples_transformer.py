@@ -88,6 +88,7 @@ def test_autocast_float16_and_bfloat16_train_like_float32(ex, corpus):
     np.testing.assert_allclose(bfloat16, reference, rtol=3e-2)
 
 
+@pytest.mark.slow  # runs the example's main() end to end
 def test_command_line(ex, capsys):
     with pytest.raises(SystemExit):
         ex.parse_args(["--help"])

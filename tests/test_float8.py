@@ -493,7 +493,7 @@ def test_predicate_sees_the_product():
 
 
 def test_find_nonfinite_with_float8_products():
-    params, (x, y) = _mlp_params(sizes=(32, 64, 10)), _mlp_batch(16)  # eager: keep it small
+    params, (x, y) = _mlp_params(sizes=(32, 10)), _mlp_batch(16)  # eager: keep it small
     opts = dict(autocast=True, matmul_dtype=E4M3)
     report = jaxmp.find_nonfinite(_mlp_loss, **opts)(params, x, y)
     assert not report and not report.findings  # float8 rounding is not reported as a problem
