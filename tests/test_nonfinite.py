@@ -208,6 +208,21 @@ def test_found_inside_higher_order_primitives(name):
         assert first.where.startswith(HERE)
 
 
+def test_found_inside_a_loop_too_long_to_run_one_iteration_at_a_time(monkeypatch):
+    # Past the budget the scan is compiled whole and its findings come back by callback.
+    from jaxmp._src import interpret
+    monkeypatch.setattr(interpret, "EAGER_LOOP_BUDGET", 0)
+
+    def loss_fn(w):
+        return jnp.mean(STRUCTURES["scan"](w))
+
+    report = jaxmp.find_nonfinite(loss_fn, autocast=False)(
+        jnp.full((3,), 8.0), scaler_state=jaxmp.static_scaler(1.0))
+    first = _overflows(report)[0]
+    assert first.phase == "forward" and first.primitive == "exp"
+    assert first.where.startswith(_line_of(_exp_at, "jnp.exp"))
+
+
 def test_custom_vjp_backward_rule_overflow_is_backward():
     def loss_fn(w):
         return jnp.sum(_loud_identity(w * 2.0))

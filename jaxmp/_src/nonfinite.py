@@ -355,13 +355,12 @@ class _Site(NamedTuple):
     producer: str = ""  # "conversion": where the converted value was computed
 
 
-# Primitives that call a sub-jaxpr on exactly their operands (the input paths carry over).
 class _Shadow(interpret.Interpreter):
     """Evaluates a jaxpr on pairs ``(value, float32 shadow)`` and records what goes wrong.
 
-    Records go through ``jax.debug.callback`` inside traced bodies (``scan``,
-    ``cond``, ``checkpoint``...) and directly at the top level, which runs
-    eagerly.
+    Evaluation is eager (``interpret.eager_handlers``; a ``shard_map`` on one
+    device), and records are made directly; only inside a loop too long to run
+    one iteration at a time do they go through ``jax.debug.callback``.
     """
 
     def __init__(self):
@@ -369,7 +368,7 @@ class _Shadow(interpret.Interpreter):
         self.sites: list[_Site] = []
         self.site_of: dict[tuple[int, int], int] = {}
         self.records: dict[tuple[int, str], dict] = {}
-        self.lock = threading.Lock()  # callbacks from several devices may record at once
+        self.lock = threading.Lock()  # a traced loop's callbacks record while evaluation goes on
         self.transposing = 0
         self.enclosing: list[Any] = []  # the higher-order equations being evaluated
         # The pytree path (in the user's arguments) of each input variable; the
@@ -528,22 +527,18 @@ class _Shadow(interpret.Interpreter):
         float_in = [(h, s) for h, s in invals if casting.is_float_array(h) and h.size]
         in_h = [h for h, _ in float_in]
         in_s = [s for _, s in float_in]
-        everywhere = _finite_everywhere(eqn, in_h)
         for i, (h, s) in enumerate(zip(outs, shadow_outs)):
             if not casting.is_float_array(h) or h.size == 0:
                 continue
             site = self._site(eqn, i, h)
             if any(isinstance(x, jax.core.Tracer) for x in (*in_h, *in_s, h, s)):
-                # Inside a loop, cond, checkpoint, custom rule or mapping: check on
-                # the host at run time.
-                jax.debug.callback(functools.partial(self._host_check, site), in_h, in_s, h, s,
-                                   everywhere)
+                # Inside a loop too long to run one iteration at a time: check on the
+                # host at run time.
+                jax.debug.callback(functools.partial(self._host_check, site), in_h, in_s, h, s)
             else:
-                self._host_check(site, in_h, in_s, h, s, everywhere)
+                self._host_check(site, in_h, in_s, h, s)
 
-    def _host_check(self, site, in_h, in_s, h, s, everywhere=None):
-        if everywhere is not None and not bool(np.asarray(everywhere)):
-            return  # a collective passed on another member's inf: found where it was made
+    def _host_check(self, site, in_h, in_s, h, s):
         stats = _stats(in_h, in_s, *jax.device_get((h, s)))  # inputs: only if needed
         if stats[0]:
             self._record(site, *stats[1:])
@@ -577,31 +572,6 @@ def _shard_map(shadow: _Shadow, eqn, invals: list) -> list:
     blocks = [tuple(batched.split(i, x) for x in pair) for i, pair in enumerate(invals)]
     outs = shadow.eval_closed(batched.jaxpr, blocks)
     return [tuple(batched.merge(i, y) for y in pair) for i, pair in enumerate(outs)]
-
-
-# Collectives, and the parameter that names their axes.
-_COLLECTIVES = {"psum": "axes", "psum_invariant": "axes", "pmax": "axes", "pmin": "axes",
-                "all_gather": "axis_name", "all_gather_invariant": "axis_name",
-                "reduce_scatter": "axis_name", "all_to_all": "axis_name",
-                "ppermute": "axis_name", "pbroadcast": "axis_name"}
-
-
-def _finite_everywhere(eqn, in_h: list):
-    """For a collective, whether its inputs are finite on every member of its axes, else None.
-
-    A collective's result holds other members' values: an inf it receives was
-    made elsewhere, and is reported there, not at the collective.
-    """
-    key = _COLLECTIVES.get(eqn.primitive.name)
-    if key is None or not in_h:
-        return None
-    axes = eqn.params.get(key)
-    axes = tuple(a for a in (axes if isinstance(axes, (tuple, list)) else (axes,))
-                 if a is not None and not isinstance(a, int))
-    if not axes:
-        return None
-    here = jnp.stack([jnp.all(jnp.isfinite(h)) for h in in_h]).all().astype(jnp.int32)
-    return jax.lax.pmin(here, axes)
 
 
 def _f32(x) -> np.ndarray:
@@ -732,24 +702,20 @@ def _parameter_names(fn: Callable) -> list[str]:
     return names
 
 
-def _leaf_paths(diff: tuple, others: PyTree, positions: Sequence[int],
-                names: Sequence[str]) -> list[str]:
-    """The user-facing path of every array leaf of ``(diff, others)``, in flattening order.
+def _leaf_paths(arrays: PyTree, names: Sequence[str]) -> list[str]:
+    """The user-facing path of every leaf of ``arrays`` (``(args, kwargs)``), in flattening order.
 
-    ``diff`` holds one tree per differentiated argument (at ``positions``);
-    ``others`` is ``(args, kwargs)`` with the remaining array leaves. A path
-    reads as the argument's name in ``loss_fn``'s signature followed by
-    ``jax.tree_util.keystr`` of the path inside it: ``params['dense']['kernel']``.
+    A path reads as the argument's name in ``loss_fn``'s signature (``names``)
+    followed by ``jax.tree_util.keystr`` of the path inside it:
+    ``params['dense']['kernel']``.
     """
-    def arg(i):
-        return names[i] if i < len(names) else f"args[{i}]"
-
     paths = []
-    for path, _ in jax.tree_util.tree_flatten_with_path(diff)[0]:
-        paths.append(arg(positions[path[0].idx]) + jax.tree_util.keystr(tuple(path[1:])))
-    for path, _ in jax.tree_util.tree_flatten_with_path(others)[0]:
+    for path, _ in jax.tree_util.tree_flatten_with_path(arrays)[0]:
         group, key, rest = path[0], path[1], tuple(path[2:])
-        name = arg(key.idx) if group.idx == 0 else str(key.key)
+        if group.idx == 0:
+            name = names[key.idx] if key.idx < len(names) else f"args[{key.idx}]"
+        else:
+            name = str(key.key)
         paths.append(name + jax.tree_util.keystr(rest))
     return paths
 
@@ -949,7 +915,7 @@ def find_nonfinite(
         # the casts of the batch are evaluated and named too.
         arrays, rest = casting.partition((args, kwargs), casting.is_array)
         flat = jax.tree_util.tree_leaves(arrays)
-        paths = _leaf_paths((), arrays, (), names)
+        paths = _leaf_paths(arrays, names)
 
         def traced(backward: bool):
             def on_member(*args, **kwargs):  # inside the mapping, if any
