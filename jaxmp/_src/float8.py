@@ -13,15 +13,27 @@ every matrix product of ``fn`` (``dot_general``, and in the forward pass
    an inf or NaN in the operand then stays non-finite in the result, so the
    loss scaler still sees it;
 2. the operands, multiplied by their scales, are cast to the float8 dtype
-   and multiplied with ``preferred_element_type=float32`` (float32
-   accumulation); the float32 result is divided by both scales and cast to
-   the compute dtype;
+   and multiplied into the compute dtype (bfloat16; float32 accumulation
+   inside the product, one rounding at its end), and the result is multiplied
+   by one power of two, the inverse of both scales. That is the pattern XLA's
+   GPU compiler turns into one float8 GEMM that applies the scale and writes
+   bfloat16 (cuBLASLt's ``__cublas$lt$matmul$f8`` with the scale as an
+   argument, or a Triton GEMM with the scale in its epilogue): no float32
+   product is written and read back. A float16 compute dtype, whose range
+   cannot hold the unscaled product, gets a float32 product instead;
 3. the whole product is a ``jax.custom_vjp``: the backward pass keeps the
    float8 operands (one byte per element) and takes the incoming cotangent in
    ``float8_e5m2`` (two more exponent bits than e4m3, for the wider range of
    gradients), scaled the same way; both backward products of a
    ``dot_general`` (with respect to each operand) are float8 products
-   accumulating in float32.
+   accumulating in float32 and written in the compute dtype, as a bfloat16
+   step's gradients are, then cast to each operand's dtype (a float32 weight
+   gets a float32 gradient).
+
+The scalars of a product (its operands' scales and its unscaling factors)
+are computed once, in one small kernel, from the amaxes; each amax is taken
+along the minor dimension first, a row reduction that XLA can fuse into the
+kernel producing the operand.
 
 No state is carried between steps (no amax history): the scale of every
 tensor is computed from the tensor itself, in the step that uses it, as
@@ -247,39 +259,119 @@ def placement(eqn, scope: str, low_precision: Iterable[str], rules: Float8Rules)
 
 # --- Scaling -----------------------------------------------------------------------------
 
+# The exponents of scales: a power of two in this range and its inverse are both normal
+# float32 numbers (XLA flushes subnormals on CPU and GPU), and no float32 operand needs more.
+_MIN_EXPONENT, _MAX_EXPONENT = -126, 126
+
+
+def _pow2(e: jax.Array) -> jax.Array:
+    """``2.0 ** e`` in float32, exactly, for integer ``e`` in ``[-126, 127]``."""
+    return lax.bitcast_convert_type((e.astype(jnp.int32) + 127) << 23, jnp.float32)
+
+
+def scale_exponent(amax: jax.Array, dtype: Any) -> jax.Array:
+    """The exponent ``e`` (int32) of the power-of-two scale of values of largest magnitude
+    ``amax`` in the float8 ``dtype``: ``amax / 2**e <= max(dtype) < 2 * amax / 2**e``.
+
+    From the float32 bits of ``amax`` alone (no division, no logarithm): the
+    difference of the exponents, plus one when ``amax``'s mantissa is the
+    larger (448 is ``1.75 * 2**8``: 449 gets ``e = 1``, 448 ``e = 0``, 224
+    ``e = -1``). Clamped to ``[-126, 126]``; 0 when ``amax`` is zero or not
+    finite (an inf or NaN then stays non-finite in the product, so the loss
+    scaler sees it). Per-tensor scaling divides by ``2**e``; an MX block
+    stores ``e`` as its E8M0 scale.
+    """
+    amax = amax.astype(jnp.float32)
+    top = int(np.array(jnp.finfo(dtype).max, np.float32).view(np.int32))
+    bits = lax.bitcast_convert_type(amax, jnp.int32)
+    e = (bits >> 23) - (top >> 23) + ((bits & 0x7FFFFF) > (top & 0x7FFFFF)).astype(jnp.int32)
+    e = lax.clamp(np.int32(_MIN_EXPONENT), e, np.int32(_MAX_EXPONENT))
+    return lax.select(jnp.isfinite(amax) & (amax > 0), e, jnp.zeros_like(e))
+
 
 def scale_for(amax: jax.Array, dtype: Any) -> jax.Array:
     """The power of two ``s`` (float32) for which ``amax * s`` is largest but ``<= max(dtype)``.
 
     1 when ``amax`` is zero or not finite.
     """
-    max_mantissa, max_exponent = np.frexp(float(jnp.finfo(dtype).max))
-    mantissa, exponent = jnp.frexp(amax)
-    k = max_exponent - exponent - (mantissa > max_mantissa).astype(jnp.int32)
-    scale = jnp.ldexp(jnp.float32(1.0), jnp.clip(k, -126, 127).astype(jnp.int32))
-    return jnp.where(jnp.isfinite(amax) & (amax > 0), scale, jnp.float32(1.0))
+    return _pow2(-scale_exponent(amax, dtype))
 
 
-def quantize(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """``(x * s)`` in the float8 ``dtype`` and ``1 / s`` (float32), with ``s`` from ``x``'s amax."""
-    amax = jnp.max(jnp.abs(x), initial=0).astype(jnp.float32)
-    scale = scale_for(amax, dtype)
-    return (x.astype(jnp.float32) * scale).astype(dtype), (1.0 / scale)
+def _amax(x: jax.Array) -> jax.Array:
+    """The largest magnitude of ``x``, in ``x``'s dtype (exact: a maximum does not round).
+
+    Along the minor dimension first, then over the rest: a row reduction, which
+    XLA's GPU compiler can fuse into the kernel that produces ``x``.
+    """
+    x = jnp.abs(x)
+    if x.ndim > 1:
+        x = jnp.max(x, axis=-1, initial=0)
+    return jnp.max(x, initial=0)
 
 
-def dequantize(y: jax.Array, inverse_scales: Iterable[jax.Array], dtype: Any) -> jax.Array:
-    """A float32 product ``y`` of scaled operands, unscaled and cast to ``dtype``."""
-    y = y.astype(jnp.float32)
-    for inv in inverse_scales:
-        y = y * inv  # one at a time: their product could leave float32's range
-    return y.astype(dtype)
+def _to_float8(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """``x * scale`` (a power of two: exact) in the float8 ``dtype`` (one rounding)."""
+    return (x.astype(jnp.float32) * scale.astype(jnp.float32)).astype(dtype)
+
+
+def _factors(exponents, sums, dtype) -> jax.Array:
+    """The scalars of a scaled product as one vector in ``dtype``: ``2**-e`` for each of
+    ``exponents`` (the scales that quantize its operands), then ``2**(e_i + e_j)`` for each
+    pair ``(i, j)`` of ``sums`` (the factors that unscale its results).
+
+    ``dtype`` is the dtype the products are unscaled in (:func:`_product_dtype`:
+    bfloat16 or float32, which hold these powers of two exactly). One vector
+    behind an optimization barrier, so that XLA computes every scalar of the
+    product in one small kernel that each consumer reads, rather than
+    recomputing them in a small kernel per consumer (it does otherwise). An
+    unscaling exponent lies in ``[-126, 252]`` (see :func:`_floor`): above 127
+    the factor is inf, as the product itself then lies near or beyond
+    float32's range.
+    """
+    out = [_pow2(-e) for e in exponents]
+    for i, j in sums:
+        e = exponents[i] + exponents[j]
+        out.append(lax.select(e > 127, jnp.float32(np.inf), _pow2(jnp.minimum(e, 127))))
+    return lax.optimization_barrier(jnp.stack(out).astype(dtype))
+
+
+def _floor(e: jax.Array, *others: jax.Array) -> jax.Array:
+    """``e`` raised where needed so that ``e + o >= -126`` for each of ``others``: the
+    unscaling factor of a product stays a normal float32 (its operands are then quantized
+    a little below full range: only operands whose amaxes multiply below ~2**-108 lose
+    bits, where float32's own product would lose them)."""
+    for o in others:
+        e = jnp.maximum(e, np.int32(_MIN_EXPONENT) - o)
+    return e
+
+
+def _product_dtype(out_dtype: Any) -> np.dtype:
+    """The dtype a float8 product writes before it is unscaled: ``out_dtype`` when it has
+    float32's exponent range (bfloat16, float32), so that the GPU library applies the scales
+    and writes ``out_dtype`` (one rounding); float32 otherwise (float16 would overflow on
+    the unscaled product, up to ``448 * 57344 * K``)."""
+    out_dtype = np.dtype(out_dtype)
+    wide = jnp.finfo(out_dtype).maxexp >= jnp.finfo(jnp.float32).maxexp
+    return out_dtype if wide else np.dtype(jnp.float32)
+
+
+def _dequantized(product: Callable, a8, b8, factor: jax.Array) -> jax.Array:
+    """``product(a8, b8, dtype)`` times ``factor`` (a power of two), in ``factor``'s dtype.
+
+    The product is asked for in that dtype (bfloat16 or float32, see
+    :func:`_product_dtype`) and multiplied by one scalar: XLA gives that scalar
+    to cuBLASLt as the float8 GEMM's scale (``__cublas$lt$matmul$f8``, one
+    kernel that writes the dtype, one rounding) or folds it into a Triton GEMM's
+    epilogue.
+    """
+    return product(a8, b8, factor.dtype) * factor
 
 
 # --- The scaled products ---------------------------------------------------------------------
 
 
-def _dot(a, b, dimension_numbers):
-    return lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32)
+def _dot(a, b, dimension_numbers, dtype=jnp.float32):
+    return lax.dot_general(a, b, dimension_numbers, preferred_element_type=dtype)
 
 
 def _dot_layout(a_ndim: int, b_ndim: int, dimension_numbers) -> tuple[list, list, list, list, list]:
@@ -294,53 +386,70 @@ def _dot_layout(a_ndim: int, b_ndim: int, dimension_numbers) -> tuple[list, list
             list(range(nb + len(a_free), nb + len(a_free) + len(b_free))))
 
 
-def _dot_transposes(ct, a, b, dimension_numbers):
-    """The two backward products of ``dot_general(a, b)`` for the cotangent ``ct``, in float32.
+def _dot_transposes(ct, a, b, dimension_numbers, product=None):
+    """The two backward products of ``dot_general(a, b)`` for the cotangent ``ct``.
 
     ``ct`` has the layout of the product: batch dimensions, then ``a``'s free
-    dimensions, then ``b``'s.
+    dimensions, then ``b``'s. ``product(x, y, dimension_numbers, wrt)``
+    computes the product with respect to argument ``wrt`` (0: ``a``, 1:
+    ``b``); default: a float32 ``dot_general``.
     """
+    product = product or (lambda x, y, dn, wrt: _dot(x, y, dn))
     (ac, bc), (ab, bb) = dimension_numbers
     a_free, b_free, ct_batch, ct_a, ct_b = _dot_layout(a.ndim, b.ndim, dimension_numbers)
     # d/da: contract ct's b-free dimensions with b's free dimensions. The result
     # has a's batch, then a's free dimensions, then b's contracting ones in b's
     # order, each standing for the contracting dimension of a it pairs with.
-    da = _dot(ct, b, ((ct_b, b_free), (ct_batch, list(bb))))
+    da = product(ct, b, ((ct_b, b_free), (ct_batch, list(bb))), 0)
     order = list(np.argsort(bc))
     da_dims = list(ab) + a_free + [ac[i] for i in order]
     da = lax.transpose(da, tuple(int(i) for i in np.argsort(da_dims)))
     # d/db: the same with the roles exchanged (a as the left operand keeps
     # b's free dimensions last, as in the forward product).
-    db = _dot(a, ct, ((a_free, ct_a), (list(ab), ct_batch)))
+    db = product(a, ct, ((a_free, ct_a), (list(ab), ct_batch)), 1)
     order = list(np.argsort(ac))
     db_dims = list(bb) + [bc[i] for i in order] + b_free
     db = lax.transpose(db, tuple(int(i) for i in np.argsort(db_dims)))
     return da, db
 
 
-def _quantized_forward(product, a, b, matmul_dtype, out_dtype):
-    """``product`` of the float8 operands, dequantized to ``out_dtype``, and the residuals."""
-    a8, ia = quantize(a, matmul_dtype)
-    b8, ib = quantize(b, matmul_dtype)
-    return dequantize(product(a8, b8), (ia, ib), out_dtype), (a8, ia, b8, ib)
-
-
 def _scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype):
-    """``dot_general(a, b)`` in float8 with per-tensor scaling; float8 backward (see module)."""
+    """``dot_general(a, b)`` in float8 with per-tensor scaling; float8 backward (see module).
+
+    Each product is one float8 ``dot_general`` whose result (in ``out_dtype``
+    for bfloat16 and float32, see :func:`_dequantized`) is multiplied by one
+    power of two, the product of its operands' scales: the pattern XLA's GPU
+    compiler turns into a single cuBLASLt float8 GEMM with the scale as an
+    argument and a ``bfloat16`` output.
+    """
 
     @jax.custom_vjp
     def product(a, b):
         return forward(a, b)[0]
 
+    dtype = _product_dtype(out_dtype)
+
     def forward(a, b):
-        dot = lambda x, y: _dot(x, y, dimension_numbers)
-        return _quantized_forward(dot, a, b, matmul_dtype, out_dtype)
+        ea = scale_exponent(_amax(a), matmul_dtype)
+        eb = _floor(scale_exponent(_amax(b), matmul_dtype), ea)
+        f = _factors((ea, eb), [(0, 1)], dtype)
+        a8, b8 = _to_float8(a, f[0], matmul_dtype), _to_float8(b, f[1], matmul_dtype)
+        dot = lambda x, y, dtype: _dot(x, y, dimension_numbers, dtype)
+        return _dequantized(dot, a8, b8, f[2]).astype(out_dtype), (a8, ea, b8, eb)
 
     def backward(res, ct):
-        a8, ia, b8, ib = res
-        ct8, ic = quantize(ct, GRAD_DTYPE)
-        da, db = _dot_transposes(ct8, a8, b8, dimension_numbers)
-        return dequantize(da, (ic, ib), a.dtype), dequantize(db, (ic, ia), b.dtype)
+        a8, ea, b8, eb = res
+        ec = _floor(scale_exponent(_amax(ct), GRAD_DTYPE), ea, eb)
+        # d/da unscales by the cotangent's and b's scales, d/db by the cotangent's and a's.
+        f = _factors((ec, ea, eb), [(0, 2), (0, 1)], dtype)
+        ct8 = _to_float8(ct, f[0], GRAD_DTYPE)
+        dtypes = (a.dtype, b.dtype)
+
+        def dot(x, y, dn, wrt):
+            run = lambda x, y, dtype: _dot(x, y, dn, dtype)
+            return _dequantized(run, x, y, f[3 + wrt]).astype(dtypes[wrt])
+
+        return _dot_transposes(ct8, a8, b8, dimension_numbers, dot)
 
     product.defvjp(forward, backward)
     return product(a, b)
@@ -399,15 +508,21 @@ def _scaled_conv(a, b, *, params, matmul_dtype, out_dtype):
         return forward(a, b)[0]
 
     def forward(a, b):
-        return _quantized_forward(conv, a, b, matmul_dtype, out_dtype)
+        ea = scale_exponent(_amax(a), matmul_dtype)
+        eb = _floor(scale_exponent(_amax(b), matmul_dtype), ea)
+        f = _factors((ea, eb), [(0, 1)], jnp.float32)
+        a8, b8 = _to_float8(a, f[0], matmul_dtype), _to_float8(b, f[1], matmul_dtype)
+        return (conv(a8, b8) * f[2]).astype(out_dtype), (a8, ea, b8, eb)
 
     def backward(res, ct):
-        a8, ia, b8, ib = res
-        ct8, ic = quantize(ct, CONV_GRAD_DTYPE)
+        a8, ea, b8, eb = res
+        ec = _floor(scale_exponent(_amax(ct), CONV_GRAD_DTYPE), ea, eb)
+        f = _factors((ec, ea, eb), [(0, 2), (0, 1)], jnp.float32)
+        ct8 = _to_float8(ct, f[0], CONV_GRAD_DTYPE)
         a8, b8 = a8.astype(CONV_GRAD_DTYPE), b8.astype(CONV_GRAD_DTYPE)
         da = _conv_transpose(params, b8, 0, a.shape, ct8)
         db = _conv_transpose(params, a8, 1, b.shape, ct8)
-        return dequantize(da, (ic, ib), a.dtype), dequantize(db, (ic, ia), b.dtype)
+        return (da * f[3]).astype(a.dtype), (db * f[4]).astype(b.dtype)
 
     product.defvjp(forward, backward)
     return product(a, b)
@@ -421,16 +536,6 @@ MX_BLOCK = 32
 MX_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 #: The dtype of MX scales: a biased power-of-two exponent in one byte.
 E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
-# The exponents kept: a float32 power of two stays a normal number (XLA on CPU
-# flushes subnormals), and an MX scale of a float32 operand never needs more.
-_MIN_EXPONENT, _MAX_EXPONENT = -126, 126
-
-
-def _pow2(e: jax.Array) -> jax.Array:
-    """``2.0 ** e`` in float32, exactly, for integer ``e`` in ``[-126, 127]``."""
-    return lax.bitcast_convert_type((e.astype(jnp.int32) + 127) << 23, jnp.float32)
-
-
 def _rows(x: jax.Array, batch, free, contract) -> jax.Array:
     """``x`` as ``(B, F, K)``: its ``batch``, ``free`` and ``contract`` dimensions, in those
     orders, each group flattened: the layout of ``jax.nn.scaled_matmul``'s operands."""
@@ -459,15 +564,8 @@ def mx_quantize(x: jax.Array, dtype: Any = MX_DTYPE, block: int = MX_BLOCK
     if padded != k:
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - k)])
     blocks = x.reshape(*x.shape[:-1], padded // block, block)
-    amax = jnp.max(jnp.abs(blocks), axis=-1)
-    # amax / max(dtype) rounded up to a power of two, from the float32 bits alone: the
-    # difference of the exponents, plus one if amax's mantissa is the larger (448 is
-    # 1.75 * 2**8: 449 gets scale 2, 448 scale 1, 224 scale 1/2). Exact, no division.
-    top = int(np.array(jnp.finfo(dtype).max, np.float32).view(np.int32))
-    bits = lax.bitcast_convert_type(amax, jnp.int32)
-    e = (bits >> 23) - (top >> 23) + ((bits & 0x7FFFFF) > (top & 0x7FFFFF)).astype(jnp.int32)
-    e = lax.clamp(np.int32(_MIN_EXPONENT), e, np.int32(_MAX_EXPONENT))
-    e = lax.select(jnp.isfinite(amax) & (amax > 0), e, jnp.zeros_like(e))
+    # amax / max(dtype) rounded up to a power of two (exact, from the float32 bits).
+    e = scale_exponent(jnp.max(jnp.abs(blocks), axis=-1), dtype)
     elements = (blocks * _pow2(-e)[..., None]).astype(dtype).reshape(x.shape)[..., :k]
     scales = lax.bitcast_convert_type((e + 127).astype(jnp.uint8), E8M0)
     return elements, scales
