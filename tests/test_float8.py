@@ -146,6 +146,60 @@ def test_result_is_in_compute_dtype_and_outputs_keep_their_dtypes():
     assert h.dtype == jnp.float32 and s.dtype == jnp.float32
 
 
+def _dot_eqns(fn, *args):
+    return [eqn for eqn, _, _ in census.walk(jax.make_jaxpr(fn)(*args).jaxpr)
+            if eqn.primitive.name == "dot_general"]
+
+
+@pytest.mark.parametrize("compute, product", [(BF16, "bfloat16"), (jnp.float32, "float32"),
+                                              (jnp.float16, "float32")])
+def test_products_write_the_compute_dtype_and_are_unscaled_by_one_scalar(compute, product):
+    """Forward and backward, each float8 product asks for its result in the compute dtype
+    (float32 under float16, whose range cannot hold an unscaled product) and is multiplied
+    by one scalar: the pattern XLA turns into one float8 GEMM that applies the scale and
+    writes that dtype. A float32 weight still gets a float32 gradient."""
+    w, x = _operands(1.0)
+    loss = _f8(lambda w, x: jnp.sum(_matmul(w, x).astype(jnp.float32) ** 2), compute)
+    grad = jax.grad(loss, argnums=(0, 1))
+    eqns = _dot_eqns(grad, w, x)
+    assert len(eqns) == 3
+    assert {str(e.params["preferred_element_type"]) for e in eqns} == {product}
+    jaxpr = jax.make_jaxpr(grad)(w, x)
+    for eqn in eqns:  # the product's one consumer multiplies it by a broadcast scalar
+        users = [u for u, _, _ in census.walk(jaxpr.jaxpr)
+                 if any(v is eqn.outvars[0] for v in u.invars)]
+        assert [u.primitive.name for u in users] == ["mul"]
+    assert all(g.dtype == jnp.float32 for g in grad(w, x))
+
+
+def test_amax_reductions_and_scalars_per_product():
+    """Each quantized tensor gets one amax (two reductions: along the minor dimension,
+    then the rest) and each product's scalars one optimization barrier: the forward product
+    quantizes two operands, the backward products one cotangent."""
+    w, x = _operands(1.0)
+    loss = _f8(lambda w, x: jnp.sum(_matmul(w, x).astype(jnp.float32) ** 2))
+    names = lambda fn: [e.primitive.name for e, _, _ in census.walk(
+        jax.make_jaxpr(fn)(w, x).jaxpr)]
+    fwd = names(_f8(_matmul))
+    assert fwd.count("reduce_max") == 4 and fwd.count("optimization_barrier") == 1
+    both = names(jax.grad(loss, argnums=(0, 1)))
+    # the model's own loss has no reduce_max; the backward quantizes the cotangent once
+    assert both.count("reduce_max") == 6 and both.count("optimization_barrier") == 2
+
+
+def test_operands_whose_amaxes_multiply_below_float32_range_keep_their_product():
+    """Amaxes of ~3e-17 and ~3e-18 get scales of about 2**63 and 2**67, whose unscaling
+    factor 2**-130 is not a normal float32 (flushed to zero): the second operand is then
+    quantized a little below its full range instead, and the product (~1e-33, a normal
+    float32) matches float32's."""
+    w, x = _operands(1e-17)
+    w = w * 1e-17
+    out = _f8(_matmul, jnp.float32)(w, x)
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert np.all(np.isfinite(out)) and np.all(np.abs(ref) < 1e-30)
+    assert _rel(out, ref) < 0.05
+
+
 def test_matmul_flops_count_float8_products():
     w, x = _operands(1.0)
     loss = _f8(lambda w, x: jnp.sum(_matmul(w, x) ** 2))
