@@ -158,16 +158,46 @@ def test_no_float8_shortfall_warning_for_products_the_users_rules_keep():
 
 
 def test_no_float8_shortfall_warning_when_everything_runs_in_float8():
-    def loss_fn(params, img):
-        y = lax.conv_general_dilated(img, params["k"], (1, 1), "SAME",
-                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
-        return jnp.mean(jnp.tanh(y.reshape(y.shape[0], -1)) @ params["w"])
+    def loss_fn(params, x):
+        return jnp.mean(jnp.tanh(x @ params["k"]) @ params["w"])
 
-    params = {"k": jnp.ones((3, 3, 2, 4)) * 0.1, "w": jnp.ones((64, 3)) * 0.1}
+    params = {"k": jnp.ones((8, 16)) * 0.1, "w": jnp.ones((16, 3)) * 0.1}
     f8 = jaxmp.autocast(loss_fn, jnp.bfloat16, matmul_dtype=F8)
     with warnings.catch_warnings():
         warnings.simplefilter("error", jaxmp.Float8ShortfallWarning)
-        jax.eval_shape(jax.grad(f8), params, jnp.ones((2, 4, 4, 2)))
+        jax.eval_shape(jax.grad(f8), params, jnp.ones((2, 8)))
+
+
+def test_float8_shortfall_says_a_convolution_runs_its_kernel_gradient_in_the_compute_dtype():
+    """XLA runs only forward convolutions as cuDNN float8 graphs: a convolution's kernel
+    gradient (and a strided one's input gradient) run in the compute dtype, said once at
+    trace time with the share."""
+    def loss_fn(params, img):
+        y = lax.conv_general_dilated(img, params["k"], (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        y = lax.conv_general_dilated(y, params["k2"], (2, 2), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jnp.mean(jnp.tanh(y))
+
+    params = {"k": jnp.ones((3, 3, 2, 4)) * 0.1, "k2": jnp.ones((3, 3, 4, 4)) * 0.1}
+    img = jnp.ones((2, 8, 8, 2))
+    f8 = jaxmp.autocast(loss_fn, jnp.bfloat16, matmul_dtype=F8)
+    with pytest.warns(jaxmp.Float8ShortfallWarning) as record:
+        jax.eval_shape(jax.grad(f8), params, img)
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "forward convolutions only" in message and "kernel gradient" in message
+    assert "bfloat16" in message and "strided" not in message  # the first is the stride-1 one
+    # FLOPs of the forward products: the census counts each backward product as one more; in
+    # float8, the forward products and the first one's input gradient.
+    first, second = 2 * (2 * 8 * 8 * 4) * (3 * 3 * 2), 2 * (2 * 4 * 4 * 4) * (3 * 3 * 4)
+    share = (2 * first + second) / (3 * (first + second))
+    assert f"runs {share:.0%} of the matrix-product FLOPs" in message
+    # The program: no input gradient of the first (d/dimg is not asked for); the second's,
+    # strided, in bfloat16 (a convolution of the zero-dilated cotangent as JAX writes it, four
+    # times the forward FLOPs, which cuDNN's backward-data kernel does not spend).
+    assert jaxmp.float8_matmul_flop_share(jax.grad(f8), params, img) == pytest.approx(
+        (first + second) / (first + second + first + second + 4 * second))
 
 
 def test_float8_shortfall_names_an_integer_operand():

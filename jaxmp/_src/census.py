@@ -268,6 +268,18 @@ _WIDER = {
         "it is inside a function with its own derivative rule ({rule}), which autocast runs "
         "as written: its backward products run on {dtypes} operands",
         "write that function without a custom derivative rule"),
+    "transposed_conv": _Why(
+        "it dilates its input (lhs_dilation: a transposed convolution), which XLA's GPU "
+        "compiler runs as a cuDNN backward-data call, and those take no float8 operands "
+        "(XLA would widen them to float32), so autocast runs it in {compute}",
+        "none in your code: cuDNN runs it in the compute dtype"),
+    "conv_backward": _Why(
+        "XLA's GPU compiler gives cuDNN float8 graphs to forward convolutions only and widens "
+        "the float8 operands of backward-filter and backward-data calls to float32, so "
+        "autocast runs its kernel gradient{strided} in {compute} (cuDNN's own kernels for "
+        "them) and the rest in float8",
+        "none in your code: cuDNN runs those backward products fastest in the compute "
+        "dtype"),
 }
 
 
@@ -275,7 +287,8 @@ class _Placed(NamedTuple):
     """Where autocast runs one product: float8 forward / backward, or why not."""
 
     forward: bool  # the product itself in float8
-    backward: bool  # its backward products in float8
+    backward: float  # the share of its backward products' FLOPs in float8 (each has the
+    # forward product's FLOPs): 1, 0, or 1/2 for a convolution's input gradient alone
     why: str | None  # a key of ``_WIDER``; None: float8, or kept by the user's Float8Rules
 
 
@@ -299,6 +312,10 @@ def _place(eqn, enclosing: tuple, rules: Any, float8_rules: Any) -> _Placed:
         return _Placed(False, False, why)
     if any(e.primitive.name in _CUSTOM_RULES for e in enclosing):
         return _Placed(True, False, "custom_rule")
+    if eqn.primitive.name == "conv_general_dilated":
+        _, input_gradient, kernel_gradient = float8.conv_float8_products(eqn.params)
+        backward = (input_gradient + kernel_gradient) / 2
+        return _Placed(True, backward, None if backward == 1 else "conv_backward")
     return _Placed(True, True, None)
 
 
@@ -348,7 +365,7 @@ def _warn_if_unblocked(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any)
             per_tensor += flops * phases
             first_tensor = first_tensor or (eqn, enclosing)
             continue
-        for phase, k in _contracted(eqn)[:phases]:
+        for phase, k in _contracted(eqn)[:int(phases)]:
             if k % recipe.block:
                 padding += flops * (-(-k // recipe.block) * recipe.block - k) // k
                 first_padded = first_padded or (eqn, enclosing, phase, k)
@@ -412,7 +429,7 @@ def warn_if_float8_shortfall(closed_jaxpr, rules: Any, float8_rules: Any, comput
         total += flops + backward
         in_float8 += flops * placed.forward + backward * placed.backward
         if placed.why is not None:
-            wider += flops * (not placed.forward) + backward * (not placed.backward)
+            wider += flops * (not placed.forward) + backward * (1 - placed.backward)
             if first is None:
                 first = (eqn, enclosing, placed.why)
     if first is None:
@@ -423,7 +440,10 @@ def warn_if_float8_shortfall(closed_jaxpr, rules: Any, float8_rules: Any, comput
         primitive=eqn.primitive.name,
         dtypes=" x ".join(np.dtype(v.aval.dtype).name for v in eqn.invars[:2]),
         compute=np.dtype(compute_dtype).name,
-        rule=_CUSTOM_RULES.get(custom.primitive.name, "") if custom is not None else "")
+        rule=_CUSTOM_RULES.get(custom.primitive.name, "") if custom is not None else "",
+        strided=(" and its input gradient (a strided convolution)"
+                 if why == "conv_backward" and not float8.conv_float8_products(eqn.params)[1]
+                 else ""))
     return unblocked | warn_once(
         (source.location_key(eqn, enclosing), why),
         f"jaxmp: autocast with matmul_dtype={np.dtype(matmul_dtype).name} runs "

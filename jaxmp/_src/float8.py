@@ -74,10 +74,6 @@ from jaxmp._src import sharding
 FLOAT8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 #: The dtype of cotangents in the backward products.
 GRAD_DTYPE = jnp.dtype(jnp.float8_e5m2)
-#: The float8 format of both operands of a convolution's backward products: JAX's
-#: convolution takes operands of one dtype, so the cotangent (scaled per tensor)
-#: and the saved e4m3 operand (converted) share it. See :func:`_scaled_conv`.
-CONV_GRAD_DTYPE = jnp.dtype(jnp.float8_e5m2)
 #: The primitives :func:`jaxmp.autocast` runs in float8 by default.
 FLOAT8_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
 
@@ -236,7 +232,13 @@ def placement(eqn, scope: str, low_precision: Iterable[str], rules: Float8Rules)
       runs as written;
     * ``"kept"``: the user's ``rules`` keep it in the compute dtype;
     * ``"rules"``: its primitive is not in ``AutocastRules.low_precision``;
-    * ``"operand"``: it does not have two floating-point operands.
+    * ``"operand"``: it does not have two floating-point operands;
+    * ``"transposed_conv"``: a convolution that dilates its input
+      (``lhs_dilation``), which XLA's GPU compiler cannot run in float8 (see
+      :func:`conv_float8_products`).
+
+    A convolution placed in float8 runs some backward products in the
+    compute dtype: :func:`conv_float8_products` says which.
 
     Args:
         eqn: a ``dot_general`` or ``conv_general_dilated`` equation.
@@ -254,6 +256,8 @@ def placement(eqn, scope: str, low_precision: Iterable[str], rules: Float8Rules)
         return "rules"
     if len(floats) != 2 or len(dtypes) != 2:
         return "operand"
+    if eqn.primitive.name == "conv_general_dilated" and not conv_float8_products(eqn.params)[0]:
+        return "transposed_conv"
     return None
 
 
@@ -459,16 +463,16 @@ def _conv_transpose(params, operand, wrt: int, other_struct, ct):
     """The backward product of a convolution with respect to argument ``wrt`` (0: lhs, 1: rhs).
 
     ``operand`` is the other argument (the kernel for ``wrt=0``, the input for
-    ``wrt=1``) and ``ct`` the cotangent of the output; both are float8 of one
-    format. The transpose is JAX's own rule (any dimension numbers, strides,
-    padding, dilations, feature and batch groups), traced once on float32
-    stand-ins and then evaluated on the float8 values: besides the
-    convolution it holds only data movement (``rev``, ``reshape``,
-    ``transpose``), so the convolution binds float8 operands with float32
-    accumulation (``preferred_element_type`` of the forward product).
+    ``wrt=1``) and ``ct`` the cotangent of the output, of one dtype. The
+    transpose is JAX's own rule (any dimension numbers, strides, padding,
+    dilations, feature and batch groups), traced once on stand-ins of the
+    product's dtype (``preferred_element_type``, float32 when unset) and then
+    evaluated on the values: besides the convolution it holds only data
+    movement (``rev``, ``reshape``, ``transpose``), so the convolution binds
+    the operands as they are (float8 ones with ``params``'s result type).
     ``other_struct`` is the shape of the argument differentiated.
     """
-    f32 = jnp.float32
+    stand_in = params["preferred_element_type"] or jnp.float32
 
     def conv(x, y):
         return lax.conv_general_dilated_p.bind(x, y, **params)
@@ -478,30 +482,67 @@ def _conv_transpose(params, operand, wrt: int, other_struct, ct):
             linear = lambda x: conv(x, known)
         else:
             linear = lambda y: conv(known, y)
-        (out,) = jax.linear_transpose(linear, jax.ShapeDtypeStruct(other_struct, f32))(g)
+        (out,) = jax.linear_transpose(linear, jax.ShapeDtypeStruct(other_struct, stand_in))(g)
         return out
 
-    closed = jax.make_jaxpr(transpose)(jax.ShapeDtypeStruct(operand.shape, f32),
-                                       jax.ShapeDtypeStruct(ct.shape, f32))
+    closed = jax.make_jaxpr(transpose)(jax.ShapeDtypeStruct(operand.shape, stand_in),
+                                       jax.ShapeDtypeStruct(ct.shape, stand_in))
     (out,) = interpret.Interpreter().eval_closed(closed, [operand, ct])
     return out
 
 
-def _scaled_conv(a, b, *, params, matmul_dtype, out_dtype):
-    """``conv_general_dilated(a, b)`` in float8 with per-tensor scaling, forward and backward.
+def conv_float8_products(params) -> tuple[bool, bool, bool]:
+    """Which products of a convolution with these ``params`` run in float8: ``(forward,
+    input gradient, kernel gradient)``.
 
-    The forward product is the dot products' (e4m3 operands, float32
-    accumulation). Both backward products (input and kernel gradients) are
-    float8 convolutions too, from JAX's own transpose rules
-    (:func:`_conv_transpose`). JAX's convolution takes two operands of one
-    dtype, so the cotangent and the saved operand share one float8 format
-    there: :data:`CONV_GRAD_DTYPE`, the cotangent scaled per tensor into it
-    and the saved e4m3 operand converted to it.
+    Those XLA's GPU compiler runs as cuDNN float8 graphs. It emits one
+    (``__cudnn$convForwardGraph``) only for a convolution it runs as a
+    *forward* convolution (``cudnn_fused_conv_rewriter``'s ``F8GraphConv``
+    matches ``__cudnn$convForward`` calls alone); a backward-data or
+    backward-filter call with float8 operands is widened to float32 instead,
+    and the input gradient of a strided convolution becomes a forward
+    convolution over a zero-dilated cotangent, with four times the FLOPs
+    (stride 2). So:
+
+    * the forward product, unless it dilates its input (``lhs_dilation``, a
+      transposed convolution, which XLA runs as a backward-data call): then
+      autocast keeps the whole convolution in the compute dtype
+      (:func:`placement`);
+    * the input gradient when the forward product has unit strides (and no
+      batch groups): JAX's transpose is then a forward convolution;
+    * never the kernel gradient, which XLA always runs as a backward-filter
+      call.
+
+    The others run in the compute dtype, from the values themselves (not from
+    their float8 quantization): cuDNN's backward-data and backward-filter
+    kernels, with the strides handled natively.
     """
-    params = dict(params, preferred_element_type=jnp.float32)
+    forward = all(d == 1 for d in params["lhs_dilation"])
+    input_gradient = (forward and all(s == 1 for s in params["window_strides"])
+                      and params["batch_group_count"] == 1)
+    return forward, input_gradient, False
+
+
+def _scaled_conv(a, b, *, params, matmul_dtype, out_dtype):
+    """``conv_general_dilated(a, b)`` with its float8 products (:func:`conv_float8_products`).
+
+    The forward product quantizes both operands into ``matmul_dtype`` (per
+    tensor) and is unscaled by one scalar into the compute dtype, like a dot
+    (XLA fuses the scale and the output type into the cuDNN float8 graph). An
+    input gradient in float8 quantizes the cotangent into ``matmul_dtype`` too
+    (e4m3 x e4m3, the pair of the forward product: JAX's convolution takes
+    operands of one dtype, and the pair cuDNN's float8 forward kernels take)
+    and runs JAX's own transpose rule (:func:`_conv_transpose`) on the saved
+    float8 kernel. The other backward products run in the compute dtype on
+    the operand and cotangent themselves.
+    """
+    dtype = _product_dtype(out_dtype)
+    narrow = dict(params, preferred_element_type=dtype)
+    wide = dict(params, preferred_element_type=None)
+    _, input_gradient8, _ = conv_float8_products(params)
 
     def conv(x, y):
-        return lax.conv_general_dilated_p.bind(x, y, **params)
+        return lax.conv_general_dilated_p.bind(x, y, **narrow)
 
     @jax.custom_vjp
     def product(a, b):
@@ -510,19 +551,26 @@ def _scaled_conv(a, b, *, params, matmul_dtype, out_dtype):
     def forward(a, b):
         ea = scale_exponent(_amax(a), matmul_dtype)
         eb = _floor(scale_exponent(_amax(b), matmul_dtype), ea)
-        f = _factors((ea, eb), [(0, 1)], jnp.float32)
+        f = _factors((ea, eb), [(0, 1)], dtype)
         a8, b8 = _to_float8(a, f[0], matmul_dtype), _to_float8(b, f[1], matmul_dtype)
-        return (conv(a8, b8) * f[2]).astype(out_dtype), (a8, ea, b8, eb)
+        # The kernel gradient's operand in the compute dtype; the input gradient's kernel in
+        # float8 (with its scale) or in the compute dtype.
+        kernel = (b8, eb) if input_gradient8 else (b.astype(out_dtype),)
+        return (conv(a8, b8) * f[2]).astype(out_dtype), (a.astype(out_dtype), *kernel)
 
     def backward(res, ct):
-        a8, ea, b8, eb = res
-        ec = _floor(scale_exponent(_amax(ct), CONV_GRAD_DTYPE), ea, eb)
-        f = _factors((ec, ea, eb), [(0, 2), (0, 1)], jnp.float32)
-        ct8 = _to_float8(ct, f[0], CONV_GRAD_DTYPE)
-        a8, b8 = a8.astype(CONV_GRAD_DTYPE), b8.astype(CONV_GRAD_DTYPE)
-        da = _conv_transpose(params, b8, 0, a.shape, ct8)
-        db = _conv_transpose(params, a8, 1, b.shape, ct8)
-        return (da * f[3]).astype(a.dtype), (db * f[4]).astype(b.dtype)
+        a_wide, *kernel = res
+        ct_wide = ct.astype(out_dtype)
+        if input_gradient8:
+            b8, eb = kernel
+            ec = _floor(scale_exponent(_amax(ct), matmul_dtype), eb)
+            f = _factors((ec, eb), [(0, 1)], dtype)
+            ct8 = _to_float8(ct, f[0], matmul_dtype)
+            da = _conv_transpose(narrow, b8, 0, a.shape, ct8) * f[2]
+        else:
+            da = _conv_transpose(wide, kernel[0], 0, a.shape, ct_wide)
+        db = _conv_transpose(wide, a_wide, 1, b.shape, ct_wide)
+        return da.astype(a.dtype), db.astype(b.dtype)
 
     product.defvjp(forward, backward)
     return product(a, b)
