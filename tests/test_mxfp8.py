@@ -284,11 +284,13 @@ def test_padding_and_per_tensor_convolutions_are_reported():
         warnings.simplefilter("always")
         jax.eval_shape(_mx_fn(fn, jnp.bfloat16), w, k, x, images)
     said = [str(c.message) for c in caught if c.category is jaxmp.Float8ShortfallWarning]
-    assert len(said) == 2, said
+    assert len(said) == 3, said
     assert any("contracts 40 elements, padded to 64" in m and "forward product" in m
                for m in said), said
     assert any("one scale per tensor" in m and "conv_general_dilated" in m for m in said), said
-    # Keeping convolutions out of float8 on purpose silences the second.
+    # ... and, as under "tensor", that the convolution's kernel gradient runs in bfloat16
+    assert any("forward convolutions only" in m for m in said), said
+    # Keeping convolutions out of float8 on purpose silences the last two.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         jax.eval_shape(_mx_fn(fn, jnp.bfloat16,
@@ -433,3 +435,70 @@ def test_equinox_model():
 
     grads, ref = _two_layer_step_against_float32(loss, params, x, y)
     assert _rel(grads.layers[0].weight, ref.layers[0].weight) < 0.1
+
+
+# --- Where the block-scaled products run --------------------------------------------------------
+
+_H100 = float8.Target("gpu", "NVIDIA H100 80GB HBM3", None)
+_B200 = float8.Target("gpu", "NVIDIA B200", None)
+
+
+@pytest.mark.parametrize("target,native", [
+    (_H100, False), (_B200, True),
+    (float8.Target("gpu", "NVIDIA H100 80GB HBM3", "9.0"), False),
+    (float8.Target("gpu", "NVIDIA GB200", None), True),
+    (float8.Target("gpu", "NVIDIA A100-SXM4-80GB", None), False),
+    (float8.Target("gpu", "some future GPU", "12.0"), True),
+    (float8.Target("gpu", "AMD Instinct MI300X", "gfx942"), False),
+    (float8.Target("tpu", "TPU v5 lite", None), False),
+    (float8.Target("cpu", "cpu", None), False)])
+def test_block_scaled_gemms_are_blackwell_and_later(target, native):
+    """XLA gives cuDNN's block-scaled dot to GPUs of compute capability 10.0 and up; the
+    recipe runs there natively, emulated on the CPU, and per tensor anywhere else."""
+    assert float8.block_scaled_gemms(target) == native
+    runs = float8.recipe_on(float8.RECIPES["mxfp8"], target)
+    expected = "mxfp8" if native or target.platform == "cpu" else "tensor"
+    assert runs is float8.RECIPES[expected]
+    assert float8.recipe_on(float8.RECIPES["tensor"], target) is float8.RECIPES["tensor"]
+
+
+def test_describe_names_the_gpu_generation():
+    assert float8.describe(_H100) == "NVIDIA H100 80GB HBM3 (Hopper, sm_90)"
+    assert float8.describe(_B200) == "NVIDIA B200 (Blackwell, sm_100)"
+    assert float8.describe(float8.Target("gpu", "NVIDIA L4", "8.9")) == (
+        "NVIDIA L4 (Ada Lovelace, sm_89)")
+
+
+def _on(kind, cores, *shapes):
+    """Abstract operands whose sharding says they live on a GPU of this kind: what jit's
+    arguments carry when compiled for that GPU (deviceless compilation included)."""
+    mesh_lib = pytest.importorskip("jax._src.mesh")
+    if not hasattr(mesh_lib, "AbstractDevice"):
+        pytest.skip("this JAX's abstract meshes carry no device")
+    device = mesh_lib.AbstractDevice(device_kind=kind, num_cores=cores, platform="gpu")
+    mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=device)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return [jax.ShapeDtypeStruct(s, F32, sharding=sharding) for s in shapes]
+
+
+def test_mxfp8_traced_for_a_hopper_gpu_runs_the_per_tensor_recipe_and_says_so():
+    """On a GPU without block-scaled GEMMs (H100) the program is the per-tensor recipe's
+    (float8 GEMMs, no float32 loop), said once at trace time naming the GPU generation; on a
+    B200 it is the block-scaled one."""
+    loss = lambda w, x: jnp.sum((x @ w) ** 2)
+    grad = lambda scaling: jax.grad(jaxmp.autocast(loss, jnp.bfloat16, matmul_dtype=E4M3,
+                                                   float8_scaling=scaling), argnums=(0, 1))
+    h100 = _on("NVIDIA H100 80GB HBM3", 132, (64, 32), (32, 64))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        program = str(jax.make_jaxpr(grad("mxfp8"))(*h100))
+    said = [str(c.message) for c in caught if c.category is jaxmp.Float8ShortfallWarning]
+    assert len(said) == 1 and "NVIDIA H100 80GB HBM3 (Hopper, sm_90)" in said[0], said
+    assert "'tensor' recipe" in said[0]
+    assert program == str(jax.make_jaxpr(grad("tensor"))(*h100))
+    assert "platform_index" not in program
+    b200 = _on("NVIDIA B200", 148, (64, 32), (32, 64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxmp.Float8ShortfallWarning)
+        program = str(jax.make_jaxpr(grad("mxfp8"))(*b200))
+    assert program.count("platform_index") == 3  # the block-scaled dot, forward and backward

@@ -187,7 +187,7 @@ def test_float8_shortfall_says_a_convolution_runs_its_kernel_gradient_in_the_com
     assert len(record) == 1
     message = str(record[0].message)
     assert "forward convolutions only" in message and "kernel gradient" in message
-    assert "bfloat16" in message and "strided" not in message  # the first is the stride-1 one
+    assert "bfloat16" in message
     # FLOPs of the forward products: the census counts each backward product as one more; in
     # float8, the forward products and the first one's input gradient.
     first, second = 2 * (2 * 8 * 8 * 4) * (3 * 3 * 2), 2 * (2 * 4 * 4 * 4) * (3 * 3 * 4)

@@ -276,8 +276,8 @@ _WIDER = {
     "conv_backward": _Why(
         "XLA's GPU compiler gives cuDNN float8 graphs to forward convolutions only and widens "
         "the float8 operands of backward-filter and backward-data calls to float32, so "
-        "autocast runs its kernel gradient{strided} in {compute} (cuDNN's own kernels for "
-        "them) and the rest in float8",
+        "autocast runs a convolution's kernel gradient (and a strided convolution's input "
+        "gradient) in {compute}, cuDNN's own kernels for them, and the rest in float8",
         "none in your code: cuDNN runs those backward products fastest in the compute "
         "dtype"),
 }
@@ -402,6 +402,33 @@ def _warn_if_unblocked(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any)
     return warned
 
 
+def _warn_if_fallback(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any) -> bool:
+    """Warns when a block-scaled ``recipe`` runs its fallback: the target (from the first
+    product autocast scales, :func:`float8.recipe_for`) has no block-scaled GEMMs."""
+    if recipe.fallback is None:
+        return False
+    for eqn, _, enclosing in census(closed_jaxpr.jaxpr):
+        if eqn.primitive.name not in recipe.blocked or not _place(
+                eqn, enclosing, rules, float8_rules).forward:
+            continue
+        runs, target = float8.recipe_for(recipe, [v.aval for v in eqn.invars])
+        if runs is recipe:
+            return False
+        return warn_once(
+            ("fallback", recipe.name, target),
+            f"jaxmp: autocast with float8_scaling={recipe.name!r} needs block-scaled GEMMs, "
+            f"which NVIDIA GPUs have from compute capability 10.0 (Blackwell); this program is "
+            f"traced for {float8.describe(target)}, where XLA would expand cuDNN's "
+            "block-scaled dot into float32 products without tensor cores. So autocast runs "
+            f"the {runs.name!r} recipe there instead ({runs.summary}): float8 GEMMs this "
+            f"hardware has. The first product is a {eqn.primitive.name} at "
+            f"{source.user_location(eqn, enclosing)}.\n"
+            f"  Fix: none needed on this device; float8_scaling={runs.name!r} runs the same "
+            "program without this warning.",
+            Float8ShortfallWarning)
+    return False
+
+
 def warn_if_float8_shortfall(closed_jaxpr, rules: Any, float8_rules: Any, compute_dtype: Any,
                              matmul_dtype: Any, recipe: Any = None) -> bool:
     """Warns when products of ``closed_jaxpr`` run wider than float8 for a reason of autocast's.
@@ -415,11 +442,16 @@ def warn_if_float8_shortfall(closed_jaxpr, rules: Any, float8_rules: Any, comput
     ``float8_rules`` keeps are counted in the share but never reported.
     With a block-scaled ``recipe`` (a row of ``float8.RECIPES``, ``"mxfp8"``),
     also warns when products are padded to whole blocks or run with one
-    scale per tensor (:func:`_warn_if_unblocked`). Returns whether it warned;
-    said once per first product (:func:`warn_once`).
+    scale per tensor (:func:`_warn_if_unblocked`), or when the target has no
+    block-scaled GEMMs and the recipe's fallback runs instead
+    (:func:`_warn_if_fallback`). Returns whether it warned; said once per
+    first product (:func:`warn_once`).
     """
-    unblocked = (recipe is not None and recipe.block > 0
+    fallback = recipe is not None and _warn_if_fallback(closed_jaxpr, rules, float8_rules,
+                                                        recipe)
+    unblocked = (not fallback and recipe is not None and recipe.block > 0
                  and _warn_if_unblocked(closed_jaxpr, rules, float8_rules, recipe))
+    unblocked |= fallback
     total = in_float8 = wider = 0
     first = None
     for eqn, flops, enclosing in census(closed_jaxpr.jaxpr):
@@ -440,10 +472,7 @@ def warn_if_float8_shortfall(closed_jaxpr, rules: Any, float8_rules: Any, comput
         primitive=eqn.primitive.name,
         dtypes=" x ".join(np.dtype(v.aval.dtype).name for v in eqn.invars[:2]),
         compute=np.dtype(compute_dtype).name,
-        rule=_CUSTOM_RULES.get(custom.primitive.name, "") if custom is not None else "",
-        strided=(" and its input gradient (a strided convolution)"
-                 if why == "conv_backward" and not float8.conv_float8_products(eqn.params)[1]
-                 else ""))
+        rule=_CUSTOM_RULES.get(custom.primitive.name, "") if custom is not None else "")
     return unblocked | warn_once(
         (source.location_key(eqn, enclosing), why),
         f"jaxmp: autocast with matmul_dtype={np.dtype(matmul_dtype).name} runs "

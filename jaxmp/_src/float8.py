@@ -59,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from typing import Any, Callable, Iterable, NamedTuple
 
 import jax
@@ -608,13 +609,14 @@ def mx_quantize(x: jax.Array, dtype: Any = MX_DTYPE, block: int = MX_BLOCK
     """
     k = x.shape[-1]
     padded = -(-k // block) * block
-    x = x.astype(jnp.float32)
     if padded != k:
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - k)])
     blocks = x.reshape(*x.shape[:-1], padded // block, block)
-    # amax / max(dtype) rounded up to a power of two (exact, from the float32 bits).
+    # amax / max(dtype) rounded up to a power of two (exact, from the float32 bits). The amax
+    # is taken in x's own dtype (a maximum does not round): no float32 copy of x is made.
     e = scale_exponent(jnp.max(jnp.abs(blocks), axis=-1), dtype)
-    elements = (blocks * _pow2(-e)[..., None]).astype(dtype).reshape(x.shape)[..., :k]
+    scaled = blocks.astype(jnp.float32) * _pow2(-e)[..., None]
+    elements = scaled.astype(dtype).reshape(x.shape)[..., :k]
     scales = lax.bitcast_convert_type((e + 127).astype(jnp.uint8), E8M0)
     return elements, scales
 
@@ -625,12 +627,12 @@ def _pad_blocks(q: jax.Array, scales: jax.Array, block: int) -> jax.Array:
     return jnp.pad(q, [(0, 0)] * (q.ndim - 1) + [(0, missing)]) if missing else q
 
 
-def _mx_matmul_emulated(qa, sa, qb, sb):
+def _mx_matmul_emulated(qa, sa, qb, sb, dtype=jnp.float32):
     """What cuDNN's block-scaled dot computes, with XLA's own products.
 
     One float8 ``dot_general`` per block of 32 (float32 accumulation), each
     block's partial products multiplied by its two scales (powers of two:
-    exact) and summed in float32.
+    exact) and summed in float32, then rounded once to ``dtype``.
     """
     qa, qb = _pad_blocks(qa, sa, MX_BLOCK), _pad_blocks(qb, sb, MX_BLOCK)
     (b, m, k), n = qa.shape, qb.shape[1]
@@ -641,42 +643,50 @@ def _mx_matmul_emulated(qa, sa, qb, sb):
                               preferred_element_type=jnp.float32)  # (b, blocks, m, n)
     sa = jnp.transpose(sa.astype(jnp.float32), (0, 2, 1))[..., None]
     sb = jnp.transpose(sb.astype(jnp.float32), (0, 2, 1))[:, :, None, :]
-    return jnp.sum(partial * sa * sb, axis=1)
+    return jnp.sum(partial * sa * sb, axis=1).astype(dtype)
 
 
-@jax.custom_batching.custom_vmap
-def _mx_matmul_cudnn(qa, sa, qb, sb):
-    """``jax.nn.scaled_matmul``: cuDNN's block-scaled dot (``__op$block_scaled_dot``)."""
-    qa, qb = _pad_blocks(qa, sa, MX_BLOCK), _pad_blocks(qb, sb, MX_BLOCK)
-    return jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=jnp.float32)
+@functools.lru_cache(maxsize=None)
+def _mx_matmul_cudnn(dtype):
+    """``jax.nn.scaled_matmul`` into ``dtype``: cuDNN's block-scaled dot
+    (``__op$block_scaled_dot``), which writes ``dtype`` itself."""
+
+    @jax.custom_batching.custom_vmap
+    def matmul(qa, sa, qb, sb):
+        qa, qb = _pad_blocks(qa, sa, MX_BLOCK), _pad_blocks(qb, sb, MX_BLOCK)
+        return jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=dtype)
+
+    @matmul.def_vmap
+    def matmul_vmap(axis_size, in_batched, qa, sa, qb, sb):
+        # JAX's batching rule wants all four operands mapped alike; a weight shared
+        # by every example (unmapped) is broadcast, and the mapped axis joins B.
+        args = [x if mapped else jnp.broadcast_to(x, (axis_size, *x.shape))
+                for x, mapped in zip((qa, sa, qb, sb), in_batched)]
+        folded = [x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in args]
+        out = matmul(*folded)
+        return out.reshape(axis_size, -1, *out.shape[1:]), True
+
+    return matmul
 
 
-@_mx_matmul_cudnn.def_vmap
-def _mx_matmul_cudnn_vmap(axis_size, in_batched, qa, sa, qb, sb):
-    # JAX's batching rule wants all four operands mapped alike; a weight shared
-    # by every example (unmapped) is broadcast, and the mapped axis joins B.
-    args = [x if mapped else jnp.broadcast_to(x, (axis_size, *x.shape))
-            for x, mapped in zip((qa, sa, qb, sb), in_batched)]
-    folded = [x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in args]
-    out = _mx_matmul_cudnn(*folded)
-    return out.reshape(axis_size, -1, *out.shape[1:]), True
-
-
-def _mx_matmul_cuda(qa, sa, qb, sb):
+def _mx_matmul_cuda(qa, sa, qb, sb, dtype):
     """:func:`_mx_matmul_cudnn`, its result typed as varying over the ``shard_map`` axes its
     operands vary over (JAX's custom call does not say, and both branches must agree)."""
     axes = set().union(*(sharding.varying_axes(x) for x in (qa, sa, qb, sb)))
-    return sharding.as_varying(_mx_matmul_cudnn(qa, sa, qb, sb), tuple(sorted(axes, key=str)))
+    out = _mx_matmul_cudnn(np.dtype(dtype))(qa, sa, qb, sb)
+    return sharding.as_varying(out, tuple(sorted(axes, key=str)))
 
 
-def _mx_matmul(qa, sa, qb, sb):
-    """The float32 product ``(B, M, N)`` of MX operands ``(B, M, K)`` and ``(B, N, K)``.
+def _mx_matmul(qa, sa, qb, sb, dtype=jnp.float32):
+    """The product ``(B, M, N)`` in ``dtype`` of MX operands ``(B, M, K)`` and ``(B, N, K)``
+    (float32 accumulation, one rounding to ``dtype``).
 
     The choice is made when the program is lowered (``lax.platform_dependent``):
     cuDNN's block-scaled dot on CUDA, :func:`_mx_matmul_emulated` elsewhere.
     """
-    return lax.platform_dependent(qa, sa, qb, sb, cuda=_mx_matmul_cuda,
-                                  default=_mx_matmul_emulated)
+    return lax.platform_dependent(
+        qa, sa, qb, sb, cuda=functools.partial(_mx_matmul_cuda, dtype=dtype),
+        default=functools.partial(_mx_matmul_emulated, dtype=dtype))
 
 
 def _block_scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, quantize, matmul):
@@ -684,7 +694,9 @@ def _block_scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, quant
 
     ``quantize`` takes an operand laid out as ``(B, F, K)`` and returns its
     elements and block scales along ``K``; ``matmul`` multiplies two such
-    operands into a float32 ``(B, M, N)``. Every product quantizes its
+    operands into a ``(B, M, N)`` of a given dtype: every product writes the
+    compute dtype (float32 under float16, see :func:`_product_dtype`), then
+    cast to the dtype of the operand it differentiates. Every product quantizes its
     operands along its own contracting dimension: the forward product along
     the contracting dimensions of ``dot_general``; the input gradient
     (``ct . b``) along ``b``'s free dimensions; the weight gradient
@@ -694,11 +706,12 @@ def _block_scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, quant
     quantization), and saved in float8 with their scales.
     """
     del matmul_dtype  # the recipe's quantize says which float8 dtype
+    dtype = _product_dtype(out_dtype)
     (ac, bc), (ab, bb) = dimension_numbers
     a_free, b_free, ct_batch, ct_a, ct_b = _dot_layout(a.ndim, b.ndim, dimension_numbers)
 
     def undo(y, x, dims, dtype):
-        """``y`` (``(B, F, K)``, float32) back in the layout of ``x`` whose dims it lists."""
+        """``y`` (``(B, F, K)``) back in the layout of ``x`` whose dims it lists."""
         y = y.reshape([x.shape[d] for d in dims])
         return lax.transpose(y, tuple(int(i) for i in np.argsort(dims))).astype(dtype)
 
@@ -707,7 +720,8 @@ def _block_scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, quant
         return forward(a, b)[0]
 
     def forward(a, b):
-        out = matmul(*quantize(_rows(a, ab, a_free, ac)), *quantize(_rows(b, bb, b_free, bc)))
+        out = matmul(*quantize(_rows(a, ab, a_free, ac)), *quantize(_rows(b, bb, b_free, bc)),
+                     dtype)
         shape = [a.shape[d] for d in (*ab, *a_free)] + [b.shape[d] for d in b_free]
         residuals = (quantize(_rows(a, ab, ac, a_free)), quantize(_rows(b, bb, bc, b_free)))
         return out.reshape(shape).astype(out_dtype), residuals
@@ -715,14 +729,120 @@ def _block_scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, quant
     def backward(residuals, ct):
         a_t, b_t = residuals
         # d/da: ct (B, M, N) times b (B, K, N), both in blocks along b's free dimensions.
-        da = matmul(*quantize(_rows(ct, ct_batch, ct_a, ct_b)), *b_t)
+        da = matmul(*quantize(_rows(ct, ct_batch, ct_a, ct_b)), *b_t, dtype)
         # d/db: a (B, K, M) times ct (B, N, M), both in blocks along a's free dimensions.
-        db = matmul(*a_t, *quantize(_rows(ct, ct_batch, ct_b, ct_a)))
+        db = matmul(*a_t, *quantize(_rows(ct, ct_batch, ct_b, ct_a)), dtype)
         return (undo(da, a, [*ab, *a_free, *ac], a.dtype),
                 undo(db, b, [*bb, *bc, *b_free], b.dtype))
 
     product.defvjp(forward, backward)
     return product(a, b)
+
+
+# --- Where the products run ------------------------------------------------------------------
+
+
+class Target(NamedTuple):
+    """The device a traced product is compiled for, as far as tracing can tell.
+
+    Attributes:
+        platform: ``"gpu"``, ``"cpu"``, ``"tpu"``...
+        kind: the device kind (``"NVIDIA H100 80GB HBM3"``, ``"NVIDIA B200"``).
+        capability: the CUDA compute capability (``"9.0"``) when a device
+            object says it; ``None`` when only the device kind is known.
+    """
+
+    platform: str
+    kind: str
+    capability: str | None
+
+
+def compile_target(avals: Iterable[Any]) -> Target:
+    """Where a product with operands of these abstract values will run.
+
+    The device of the operands' shardings when they have one: ``jit`` with
+    sharded arguments, and deviceless ahead-of-time compilation, whose
+    arguments (``jax.ShapeDtypeStruct(..., sharding=NamedSharding(mesh,
+    ...))`` over a ``jax.experimental.topologies`` topology's devices) carry
+    the target's device kind in their types. Else the first device of the
+    default backend, where ``jit`` compiles unsharded arguments.
+    """
+    for aval in avals:
+        mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+        device = getattr(mesh, "abstract_device", None)
+        if device is not None:
+            return Target(device.platform, device.device_kind, None)
+    device = jax.devices()[0]
+    return Target(device.platform, device.device_kind,
+                  getattr(device, "compute_capability", None))
+
+
+# CUDA compute capabilities of GPUs by device kind, for targets known by their kind alone.
+_CAPABILITIES = (
+    (re.compile(r"\bG?B(100|200|300)\b|Blackwell|\bGB10\b|RTX 50\d0", re.I), "10.0"),
+    (re.compile(r"\bG?H(100|200|800|20)\b", re.I), "9.0"),
+    (re.compile(r"\bL4\b|\bL40|RTX 40\d0|\bAda\b", re.I), "8.9"),
+    (re.compile(r"\bA(100|800|30|10|40)\b|RTX 30\d0|A6000", re.I), "8.0"),
+)
+_GENERATIONS = {"12": "Blackwell", "10": "Blackwell", "9": "Hopper", "8.9": "Ada Lovelace",
+                "8": "Ampere", "7.5": "Turing", "7": "Volta"}
+
+
+def _capability(target: Target) -> str | None:
+    if target.platform != "gpu":
+        return None
+    if target.capability is not None:
+        return target.capability
+    return next((cc for pattern, cc in _CAPABILITIES if pattern.search(target.kind)), None)
+
+
+def describe(target: Target) -> str:
+    """``target`` as a message names it: ``NVIDIA H100 80GB HBM3 (Hopper, sm_90)``."""
+    cc = _capability(target)
+    if cc is None:
+        return target.kind or target.platform
+    major = cc.split(".")[0]
+    generation = _GENERATIONS.get(cc, _GENERATIONS.get(major))
+    sm = "sm_" + cc.replace(".", "")
+    return f"{target.kind} ({generation + ', ' if generation else ''}{sm})"
+
+
+def block_scaled_gemms(target: Target) -> bool:
+    """Whether ``target`` runs cuDNN's block-scaled dot (``jax.nn.scaled_matmul``) natively.
+
+    XLA's GPU compiler gives the block-scaled dot to cuDNN on NVIDIA GPUs of
+    compute capability 10.0 and up (Blackwell, with cuDNN 9.7 or newer) and
+    otherwise expands it into converts and a float32 ``dot`` that its loop
+    emitter runs without tensor cores.
+    """
+    cc = _capability(target)
+    try:
+        return cc is not None and int(cc.split(".")[0]) >= 10
+    except ValueError:  # not a CUDA capability (ROCm's gfx names)
+        return False
+
+
+def recipe_on(recipe: Recipe, target: Target) -> Recipe:
+    """The recipe that runs ``recipe``'s products on ``target``.
+
+    A block-scaled recipe runs where its GEMMs exist (GPUs with
+    :func:`block_scaled_gemms`) and on the CPU (an emulation with the same
+    numbers: the reference the tests check); on any other accelerator (Hopper
+    and older NVIDIA GPUs, ROCm, TPU) its ``fallback`` runs instead, the
+    per-tensor recipe's float8 GEMMs, which such hardware has.
+    """
+    if recipe.fallback is None or target.platform == "cpu" or block_scaled_gemms(target):
+        return recipe
+    return RECIPES[recipe.fallback]
+
+
+def recipe_for(recipe: Recipe, avals: Iterable[Any]) -> tuple[Recipe, Target]:
+    """``(recipe that runs, target)`` for a product of ``recipe`` with operands ``avals``:
+    chosen when the product is traced (:func:`compile_target`, :func:`recipe_on`);
+    ``jaxmp``'s census says so once when it is the fallback
+    (``jaxmp.Float8ShortfallWarning``)."""
+    target = compile_target(avals)
+    return recipe_on(recipe, target), target
 
 
 # --- The recipes -----------------------------------------------------------------------------
@@ -743,6 +863,9 @@ class Recipe(NamedTuple):
         conv: ``conv(a, b, *, params, matmul_dtype, out_dtype)``, the same for
             ``conv_general_dilated``.
         summary: what it does, for error messages.
+        fallback: the recipe run instead on accelerators without block-scaled
+            GEMMs (:func:`recipe_for`); ``None`` for a recipe that runs
+            everywhere.
     """
 
     name: str
@@ -752,6 +875,7 @@ class Recipe(NamedTuple):
     dot: Callable
     conv: Callable
     summary: str
+    fallback: str | None = None
 
 
 #: The float8 scaling recipes, by ``float8_scaling`` name: one row each.
@@ -764,7 +888,7 @@ RECIPES = {
         functools.partial(_block_scaled_dot, quantize=mx_quantize, matmul=_mx_matmul),
         _scaled_conv,
         "OCP MXFP8: float8_e4m3fn elements with one E8M0 scale per 32 elements along each "
-        "product's contracting dimension, forward and backward"),
+        "product's contracting dimension, forward and backward", fallback="tensor"),
 }
 #: The recipe used when none is named.
 DEFAULT_RECIPE = "tensor"
@@ -818,6 +942,7 @@ def scaled_product(eqn, invals, compute_dtype: np.dtype, matmul_dtype: np.dtype,
     source location of ``eqn`` (the user's line).
     """
     recipe = RECIPES[DEFAULT_RECIPE] if recipe is None else recipe
+    recipe, _ = recipe_for(recipe, [v.aval for v in eqn.invars])
     a, b = invals
     with interpret.at_source_of(eqn):
         if eqn.primitive.name == "dot_general":

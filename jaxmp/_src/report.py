@@ -370,6 +370,11 @@ def _why(program: _Program, eqn, enclosing: tuple, name_stack: str, key: str,
         return "operand"
     if any(float8.is_float8_dtype(d) for d in dtypes):
         return "float8_operand"
+    # Under float8, a convolution's kernel gradient (and a strided one's input gradient) run in
+    # the compute dtype: XLA runs only forward convolutions in float8 (float8.conv_float8_products).
+    if (matmul is not None and compute is not None and eqn.primitive.name == "conv_general_dilated"
+            and key == compute.name and "transpose(" in name_stack):
+        return "conv_backward"
     # A custom_vjp's backward rule is traced inside its own transpose: transpose(...(transpose(.
     if (any(e.primitive.name in census._CUSTOM_RULES for e in enclosing)
             or name_stack.count("transpose(") > 1):
