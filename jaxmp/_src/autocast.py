@@ -1022,7 +1022,10 @@ def autocast(
             runs with float8 operands, each scaled per tensor from its
             current absolute maximum, accumulating in float32, its result in
             ``compute_dtype``; its backward products take the cotangent in
-            ``float8_e5m2`` (convolutions: forward only). See ``docs/float8.md``.
+            ``float8_e5m2``. A convolution runs its forward product and, with
+            unit strides, its input gradient in float8, the rest in
+            ``compute_dtype`` (XLA's GPU compiler runs only forward
+            convolutions in float8). See ``docs/float8.md``.
         float8_rules: a :class:`jaxmp.Float8Rules`: which products stay in
             ``compute_dtype`` under a float8 ``matmul_dtype`` (default
             ``jaxmp.Float8Rules()``: none).
@@ -1036,10 +1039,13 @@ def autocast(
             token dimensions), all in ``float8_e4m3fn``, which
             ``matmul_dtype`` must be; a few large rows then cost the others
             nothing. A contracting dimension that is not a multiple of 32 is
-            padded with zeros; convolutions keep one scale per tensor. On CUDA
+            padded with zeros; convolutions keep one scale per tensor. On GPUs
+            with block-scaled GEMMs (NVIDIA compute capability 10.0 and up)
             the products are ``jax.nn.scaled_matmul`` (cuDNN's block-scaled
-            dot); elsewhere an emulation computes the same numbers. See
-            ``docs/float8.md``.
+            dot); on the CPU an emulation computes the same numbers; on other
+            accelerators (Hopper and older) the ``"tensor"`` recipe runs
+            instead, chosen when the product is traced and said once by a
+            :class:`jaxmp.Float8ShortfallWarning`. See ``docs/float8.md``.
 
     The default sets are also attributes of this function
     (``jaxmp.autocast.FULL_PRECISION``...); to change a rule, pass a new set,

@@ -218,8 +218,13 @@ class Float8ShortfallWarning(UserWarning):
     reported. With ``float8_scaling="mxfp8"`` it also says how many FLOPs the
     zero padding of contracting dimensions that are not a multiple of 32 adds
     (forward and backward products), and which products (convolutions) run
-    with one scale per tensor instead. Said once per such product: tracing
-    again does not repeat it.
+    with one scale per tensor instead, or, when the GPU the step is traced for
+    has no block-scaled GEMMs (Hopper and older), that the per-tensor recipe
+    runs there instead, naming the GPU and its generation. A convolution's
+    kernel gradient (and a strided convolution's input gradient) runs in the
+    compute dtype, since XLA's GPU compiler runs only forward convolutions in
+    float8: that is said too. Said once per such product: tracing again does
+    not repeat it.
 
     Examples:
         >>> import warnings

@@ -48,10 +48,11 @@ float8 dtypes it takes, its block size and its two product functions. The
 quantized in blocks of 32 consecutive elements along that product's
 contracting dimension, each block with its own power-of-two (E8M0) scale,
 forward and backward, all in ``float8_e4m3fn``; it runs through
-``jax.nn.scaled_matmul`` (cuDNN's block-scaled dot) where JAX lowers it
-(CUDA) and an emulation with the same numbers elsewhere
-(:func:`_mx_matmul`). A new recipe (1x128 or 128x128 blocks, NVFP4) is a
-new row: its quantizer and its product.
+``jax.nn.scaled_matmul`` (cuDNN's block-scaled dot) on GPUs with
+block-scaled GEMMs and an emulation with the same numbers on the CPU
+(:func:`_mx_matmul`); on other accelerators its ``fallback``, the
+per-tensor recipe, runs instead (:func:`recipe_for`). A new recipe (1x128
+or 128x128 blocks, NVFP4) is a new row: its quantizer and its product.
 """
 
 from __future__ import annotations
