@@ -150,6 +150,34 @@ def _mx_vjp(fn=_matmul, compute_dtype=F32):
     return run
 
 
+def test_blocks_within_one_dimension_are_quantized_where_the_operand_lies():
+    """When the blocks of 32 along a product's contracting dimensions lie within one dimension
+    of the operand (32 tokens per example, 64 features, 96 outputs), each operand is quantized
+    in its own layout: no amax is taken of a transposed copy (XLA wrote one, in the operand's
+    dtype, for each weight gradient). Same numbers as the reference, forward and backward."""
+    w, ct = _rows((64, 96), 12), _rows((2, 32, 96), 13)
+    x = _rows((64, 64), 14, outliers=(3, 40)).reshape(2, 32, 64)
+    out, (dw, dx) = _mx_vjp()((w, x), jnp.asarray(ct))
+    ct2, x2 = ct.reshape(64, 96), x.reshape(64, 64)
+    _close(out.reshape(64, 96), _mx(x2) @ _mx(w, 0), np.abs(x2) @ np.abs(w))
+    _close(dx.reshape(64, 64), _mx(ct2, 1) @ _mx(w, 1).T, np.abs(ct2) @ np.abs(w).T)
+    _close(dw, _mx(x2, 0).T @ _mx(ct2, 0), np.abs(x2).T @ np.abs(ct2))
+    f = jaxmp.autocast(_matmul, F32, matmul_dtype=E4M3, float8_scaling="mxfp8")
+    jaxpr = jax.make_jaxpr(lambda w, x, ct: jax.vjp(f, w, x)[1](ct))(w, x, ct).jaxpr
+    eqns = [e for e, _, _ in census.walk(jaxpr)]
+    made_by = {v: e for e in eqns for v in e.outvars}
+
+    def moved(v):  # whether v is a transposed copy, through reshapes
+        e = made_by.get(v)
+        while e is not None and e.primitive.name in ("reshape", "pad", "convert_element_type"):
+            e = made_by.get(e.invars[0])
+        return e is not None and e.primitive.name == "transpose"
+
+    amaxes = [e for e in eqns if e.primitive.name == "abs"]
+    assert len(amaxes) == 6  # two operands per product, three products
+    assert not any(moved(e.invars[0]) for e in amaxes)
+
+
 def test_zero_blocks_stay_zero_and_nonfinite_values_stay_nonfinite():
     w, x = _rows((64, 32), 5), _rows((16, 64), 6)
     run = _mx_vjp()

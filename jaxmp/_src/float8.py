@@ -595,31 +595,53 @@ def _rows(x: jax.Array, batch, free, contract) -> jax.Array:
     return x.reshape(sizes)
 
 
-def mx_quantize(x: jax.Array, dtype: Any = MX_DTYPE, block: int = MX_BLOCK
+def mx_quantize(x: jax.Array, dtype: Any = MX_DTYPE, block: int = MX_BLOCK, axis: int = -1
                 ) -> tuple[jax.Array, jax.Array]:
-    """``(elements, scales)`` of ``x`` (``(B, F, K)``) in blocks of ``block`` along ``K``.
+    """``(elements, scales)`` of ``x`` in blocks of ``block`` along ``axis`` (default: the last).
 
     Each block's scale is ``2 ** ceil(log2(amax / max(dtype)))`` (E8M0, so no
     element saturates); the elements are ``x / scale`` rounded to nearest-even
-    ``dtype``, shape ``(B, F, K)``. ``K`` need not be a multiple of ``block``: the
-    last block is padded with zeros (which change neither its amax nor the
-    product), so the scales have shape ``(B, F, ceil(K / block))``. A block of
-    zeros gets scale 1 and stays zero; a block with an inf or NaN gets scale 1
-    and NaN elements (``float8_e4m3fn`` has no inf), so the product is NaN and
-    the loss scaler sees it.
+    ``dtype``, of ``x``'s shape. ``x.shape[axis]`` need not be a multiple of
+    ``block``: the last block is padded with zeros (which change neither its
+    amax nor the product), so the scales have ``x``'s shape with
+    ``ceil(x.shape[axis] / block)`` along ``axis``. A block of zeros gets
+    scale 1 and stays zero; a block with an inf or NaN gets scale 1 and NaN
+    elements (``float8_e4m3fn`` has no inf), so the product is NaN and the
+    loss scaler sees it.
     """
-    k = x.shape[-1]
+    axis = axis % x.ndim
+    k = x.shape[axis]
     padded = -(-k // block) * block
     if padded != k:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - k)])
-    blocks = x.reshape(*x.shape[:-1], padded // block, block)
+        x = jnp.pad(x, [(0, padded - k) if d == axis else (0, 0) for d in range(x.ndim)])
+    blocks = x.reshape(*x.shape[:axis], padded // block, block, *x.shape[axis + 1:])
     # amax / max(dtype) rounded up to a power of two (exact, from the float32 bits). The amax
     # is taken in x's own dtype (a maximum does not round): no float32 copy of x is made.
-    e = scale_exponent(jnp.max(jnp.abs(blocks), axis=-1), dtype)
-    scaled = blocks.astype(jnp.float32) * _pow2(-e)[..., None]
-    elements = scaled.astype(dtype).reshape(x.shape)[..., :k]
+    e = scale_exponent(jnp.max(jnp.abs(blocks), axis=axis + 1), dtype)
+    scaled = blocks.astype(jnp.float32) * jnp.expand_dims(_pow2(-e), axis + 1)
+    elements = scaled.astype(dtype).reshape(x.shape)
+    if padded != k:
+        elements = lax.slice_in_dim(elements, 0, k, axis=axis)
     scales = lax.bitcast_convert_type((e + 127).astype(jnp.uint8), E8M0)
     return elements, scales
+
+
+def _quantized_rows(quantize, x: jax.Array, batch, free, contract, block: int):
+    """``quantize(_rows(x, batch, free, contract))``: ``x`` as ``(B, F, K)`` in blocks along
+    ``K``, quantized in ``x``'s own layout when the blocks lie within one of its dimensions.
+
+    The blocks of 32 along the flattened ``contract`` dimensions lie within the
+    last of them when its size is a multiple of 32: then ``x`` is quantized
+    along that dimension where it is, and only its float8 elements and scales
+    are laid out as ``(B, F, K)``. Transposing ``x`` first (for a weight
+    gradient's blocks along the batch and tokens) made XLA write a transposed
+    copy of ``|x|`` to take the blocks' amaxes. Same blocks, same numbers.
+    """
+    last = contract[-1]
+    if x.shape[last] % block:
+        return quantize(_rows(x, batch, free, contract))
+    elements, scales = quantize(x, axis=last)
+    return _rows(elements, batch, free, contract), _rows(scales, batch, free, contract)
 
 
 def _pad_blocks(q: jax.Array, scales: jax.Array, block: int) -> jax.Array:
@@ -690,11 +712,12 @@ def _mx_matmul(qa, sa, qb, sb, dtype=jnp.float32):
         default=functools.partial(_mx_matmul_emulated, dtype=dtype))
 
 
-def _block_scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, quantize, matmul):
+def _block_scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, quantize, matmul,
+                      block):
     """``dot_general(a, b)`` with block-scaled operands, forward and backward.
 
-    ``quantize`` takes an operand laid out as ``(B, F, K)`` and returns its
-    elements and block scales along ``K``; ``matmul`` multiplies two such
+    ``quantize`` takes an operand and returns its elements and scales in
+    blocks of ``block`` along its last dimension (or ``axis=``); ``matmul`` multiplies two such
     operands into a ``(B, M, N)`` of a given dtype: every product writes the
     compute dtype (float32 under float16, see :func:`_product_dtype`), then
     cast to the dtype of the operand it differentiates. Every product quantizes its
@@ -721,18 +744,19 @@ def _block_scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, quant
         return forward(a, b)[0]
 
     def forward(a, b):
-        out = matmul(*quantize(_rows(a, ab, a_free, ac)), *quantize(_rows(b, bb, b_free, bc)),
-                     dtype)
+        rows = lambda x, *dims: _quantized_rows(quantize, x, *dims, block)
+        out = matmul(*rows(a, ab, a_free, ac), *rows(b, bb, b_free, bc), dtype)
         shape = [a.shape[d] for d in (*ab, *a_free)] + [b.shape[d] for d in b_free]
-        residuals = (quantize(_rows(a, ab, ac, a_free)), quantize(_rows(b, bb, bc, b_free)))
+        residuals = (rows(a, ab, ac, a_free), rows(b, bb, bc, b_free))
         return out.reshape(shape).astype(out_dtype), residuals
 
     def backward(residuals, ct):
         a_t, b_t = residuals
         # d/da: ct (B, M, N) times b (B, K, N), both in blocks along b's free dimensions.
-        da = matmul(*quantize(_rows(ct, ct_batch, ct_a, ct_b)), *b_t, dtype)
+        rows = lambda x, *dims: _quantized_rows(quantize, x, *dims, block)
+        da = matmul(*rows(ct, ct_batch, ct_a, ct_b), *b_t, dtype)
         # d/db: a (B, K, M) times ct (B, N, M), both in blocks along a's free dimensions.
-        db = matmul(*a_t, *quantize(_rows(ct, ct_batch, ct_b, ct_a)), dtype)
+        db = matmul(*a_t, *rows(ct, ct_batch, ct_b, ct_a), dtype)
         return (undo(da, a, [*ab, *a_free, *ac], a.dtype),
                 undo(db, b, [*bb, *bc, *b_free], b.dtype))
 
@@ -886,7 +910,8 @@ RECIPES = {
         "one power-of-two scale per tensor; cotangents in float8_e5m2"),
     "mxfp8": Recipe(
         "mxfp8", (MX_DTYPE,), MX_BLOCK, frozenset({"dot_general"}),
-        functools.partial(_block_scaled_dot, quantize=mx_quantize, matmul=_mx_matmul),
+        functools.partial(_block_scaled_dot, quantize=mx_quantize, matmul=_mx_matmul,
+                          block=MX_BLOCK),
         _scaled_conv,
         "OCP MXFP8: float8_e4m3fn elements with one E8M0 scale per 32 elements along each "
         "product's contracting dimension, forward and backward", fallback="tensor"),
