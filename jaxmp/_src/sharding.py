@@ -50,6 +50,20 @@ def manual_axes() -> tuple[str, ...]:
     return tuple(mesh.manual_axes)
 
 
+def values_are_local() -> bool:
+    """Whether every array traced here is held whole by each device that computes with it.
+
+    True inside a ``shard_map`` whose mesh axes are all manual (each device
+    sees its own shards) and where there is only one device. Elsewhere
+    (``jit`` over several devices) XLA may shard an array, and reshaping or
+    concatenating arrays can then move data between devices.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and set(mesh.axis_names) <= set(mesh.manual_axes):
+        return True
+    return jax.device_count() == 1
+
+
 def _names(axis_name: Any) -> tuple[Any, ...]:
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
