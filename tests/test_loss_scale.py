@@ -139,7 +139,7 @@ def test_all_finite_is_one_reduction_where_values_are_local(monkeypatch):
     # an 8-layer GPT). The step's verdict is the same single reduction.
     from jaxmp._src import sharding  # pylint: disable=g-import-not-at-top
 
-    monkeypatch.setattr(sharding, "values_are_local", lambda: True)  # as on one device
+    monkeypatch.setattr(sharding, "values_are_local", lambda values: True)  # as on one device
     tree = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3), "h": jnp.ones(5, jnp.bfloat16),
             "i": jnp.arange(2)}
     assert _count(jax.make_jaxpr(jaxmp.all_finite)(tree).jaxpr, "reduce_and") == 1
@@ -157,26 +157,37 @@ def test_all_finite_is_one_reduction_where_values_are_local(monkeypatch):
 
 
 def test_all_finite_concatenates_only_where_nothing_is_gathered():
-    # Under jit over several devices (this session has several CPU devices) leaves may be
-    # sharded each its own way and concatenating them would gather them: one reduction per
-    # leaf. Inside a shard_map whose axes are all manual each device has its own shards.
+    # Over several devices leaves may be sharded each its own way, and concatenating them
+    # would gather them: one reduction per leaf there. Typed for one device, or inside a
+    # shard_map whose axes are all manual (each device has its own shards): one reduction.
+    from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+
     tree = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3), "h": jnp.ones(5, jnp.bfloat16)}
-    per_leaf = 1 if jax.device_count() == 1 else 3
-    assert _count(jax.make_jaxpr(jaxmp.all_finite)(tree).jaxpr, "reduce_and") == per_leaf
+    reductions = lambda fn, *args: _count(jax.make_jaxpr(fn)(*args).jaxpr, "reduce_and")
+
+    def typed(mesh):  # the tree's types with a replicated sharding over ``mesh``
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(mesh, P())), tree)
+
+    auto = (jax.sharding.AxisType.Auto,)
+    one = jax.make_mesh((1,), ("data",), axis_types=auto, devices=jax.devices()[:1])
+    assert reductions(jax.jit(jaxmp.all_finite), typed(one)) == 1
+    if jax.device_count() > 1:  # this test session has several CPU devices
+        every = jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto)
+        assert reductions(jax.jit(jaxmp.all_finite), typed(every)) == 3
+        assert reductions(jaxmp.all_finite, tree) == 3  # untyped: the devices decide
+        local = jax.shard_map(lambda t: jaxmp.all_finite(t)[None], mesh=every, in_specs=P(),
+                              out_specs=P("data"))
+        assert reductions(local, tree) == 1
+        assert np.asarray(local(tree)).all()
     assert not bool(jaxmp.all_finite(dict(tree, h=tree["h"].at[2].set(jnp.inf))))
-    mesh = jax.make_mesh((jax.device_count(),), ("data",),
-                         axis_types=(jax.sharding.AxisType.Explicit,))
-    local = jax.shard_map(lambda t: jaxmp.all_finite(t)[None], mesh=mesh,
-                          in_specs=jax.sharding.PartitionSpec(), out_specs=jax.sharding.PartitionSpec("data"))
-    assert _count(jax.make_jaxpr(local)(tree).jaxpr, "reduce_and") == 1
-    assert np.asarray(local(tree)).all()
 
 
 def test_all_finite_mixed_dtypes_meet_exactly(monkeypatch):
     # float32's largest values overflow bfloat16 and float16; their concatenation is float32.
     from jaxmp._src import sharding  # pylint: disable=g-import-not-at-top
 
-    monkeypatch.setattr(sharding, "values_are_local", lambda: True)  # as on one device
+    monkeypatch.setattr(sharding, "values_are_local", lambda values: True)  # as on one device
     big = jnp.float32(3.4e38)  # rounds to inf in bfloat16
     assert jnp.isinf(big.astype(jnp.bfloat16))
     assert bool(jaxmp.all_finite({"a": big, "b": jnp.ones(2, jnp.bfloat16)}))

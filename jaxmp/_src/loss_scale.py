@@ -634,7 +634,7 @@ def all_finite(tree: PyTree, axis_name: Any = None) -> jax.Array:
     """
     leaves = [x for x in jax.tree_util.tree_leaves(tree) if casting.is_float_array(x)]
     finite = jnp.asarray(True)
-    if leaves and sharding.values_are_local():
+    if leaves and sharding.values_are_local(leaves):
         # One reduction over every element: XLA fuses the concatenation into
         # it (nothing is written but a flag per block), so the verdict costs
         # two kernels however many leaves there are, where one reduction per
