@@ -126,80 +126,84 @@ def test_all_finite():
     assert jaxmp.all_finite(jnp.ones(2)).dtype == jnp.bool_
 
 
-def _count(jaxpr, name):
-    """How many ``name`` equations ``jaxpr`` has, sub-jaxprs included."""
-    from jaxmp._src import census  # pylint: disable=g-import-not-at-top
+def _and_reductions(fn, *args, platform="cpu"):
+    """How many reductions by ``and`` the program of ``fn`` lowered for ``platform`` has."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text().count(
+        "applies stablehlo.and")
 
-    return sum(1 for eqn, _, _ in census.walk(jaxpr) if eqn.primitive.name == name)
+
+def _typed(tree, mesh):
+    """``tree``'s types, replicated over ``mesh``."""
+    from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec())), tree)
 
 
-def test_all_finite_is_one_reduction_where_values_are_local(monkeypatch):
-    # One reduction over all leaves, which XLA fuses with their concatenation: two kernels
-    # in the H100 program however many leaves (one or two per leaf before: 117 kernels on
-    # an 8-layer GPT). The step's verdict is the same single reduction.
-    from jaxmp._src import sharding  # pylint: disable=g-import-not-at-top
+def _one_device_mesh():
+    return jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:1])
 
-    monkeypatch.setattr(sharding, "values_are_local", lambda values: True)  # as on one device
-    tree = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3), "h": jnp.ones(5, jnp.bfloat16),
-            "i": jnp.arange(2)}
-    assert _count(jax.make_jaxpr(jaxmp.all_finite)(tree).jaxpr, "reduce_and") == 1
+
+def test_all_finite_is_a_reduction_per_32_leaves_on_a_gpu():
+    # On a GPU one reduction per group of at most 32 leaves, which XLA fuses with their
+    # concatenation: two kernels in the H100 program per group (one or two per leaf before:
+    # 117 kernels on an 8-layer GPT). XLA:GPU fuses at most 96 operands into one kernel and
+    # otherwise writes the concatenation out (645 MiB on an 8-layer GPT). On a CPU, one
+    # reduction per leaf: XLA:CPU would write the concatenation's flags out.
+    many = [jnp.full(3, float(i)) for i in range(70)] + [jnp.ones((2, 2), jnp.bfloat16)]
+    typed = _typed(many, _one_device_mesh())
+    assert _and_reductions(jaxmp.all_finite, typed, platform="cuda") == 3
+    assert _and_reductions(jaxmp.all_finite, typed, platform="cpu") == 71
 
     def loss(p, x):
         return jnp.sum(jnp.tanh(x @ p["w"] + p["b"]) * p["h"][:3].astype(jnp.float32))
 
-    step = jaxmp.mp_value_and_grad(loss, compute_dtype=jnp.bfloat16)
-    params = {k: v for k, v in tree.items() if k != "i"}
-    jaxpr = jax.make_jaxpr(lambda p, x: step(p, x, scaler_state=jaxmp.noop_scaler()))(
-        params, jnp.ones((2, 4))).jaxpr
-    assert _count(jaxpr, "reduce_and") == 1
-    assert bool(jaxmp.all_finite(tree))
-    assert not bool(jaxmp.all_finite(dict(tree, w=tree["w"].at[3, 1].set(jnp.nan))))
-    # At most 32 leaves a reduction: XLA:GPU fuses at most 96 operands into one kernel and
-    # otherwise writes the concatenation out (645 MiB on an 8-layer GPT).
-    many = [jnp.full(3, float(i)) for i in range(70)]
-    assert _count(jax.make_jaxpr(jaxmp.all_finite)(many).jaxpr, "reduce_and") == 3
+    def step(p, x):
+        return jaxmp.mp_value_and_grad(loss, compute_dtype=jnp.bfloat16)(
+            p, x, scaler_state=jaxmp.noop_scaler())
+
+    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3), "h": jnp.ones(5, jnp.bfloat16)}
+    args = _typed((params, jnp.ones((2, 4))), _one_device_mesh())
+    assert _and_reductions(step, *args, platform="cuda") == 1  # the step's one verdict
     assert bool(jaxmp.all_finite(many))
     assert not bool(jaxmp.all_finite(many[:69] + [jnp.array([1.0, jnp.inf])]))
 
 
 def test_all_finite_concatenates_only_where_nothing_is_gathered():
     # Over several devices leaves may be sharded each its own way, and concatenating them
-    # would gather them: one reduction per leaf there. Typed for one device, or inside a
-    # shard_map whose axes are all manual (each device has its own shards): one reduction.
-    from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+    # would gather them: one reduction per leaf there, on every platform. Typed for one
+    # device, or inside a shard_map whose axes are all manual (each device has its own
+    # shards): one reduction per group of leaves on a GPU.
+    from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
     tree = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3), "h": jnp.ones(5, jnp.bfloat16)}
-    reductions = lambda fn, *args: _count(jax.make_jaxpr(fn)(*args).jaxpr, "reduce_and")
-
-    def typed(mesh):  # the tree's types with a replicated sharding over ``mesh``
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=NamedSharding(mesh, P())), tree)
-
-    auto = (jax.sharding.AxisType.Auto,)
-    one = jax.make_mesh((1,), ("data",), axis_types=auto, devices=jax.devices()[:1])
-    assert reductions(jax.jit(jaxmp.all_finite), typed(one)) == 1
+    assert _and_reductions(jaxmp.all_finite, _typed(tree, _one_device_mesh()), platform="cuda") == 1
     if jax.device_count() > 1:  # this test session has several CPU devices
-        every = jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto)
-        assert reductions(jax.jit(jaxmp.all_finite), typed(every)) == 3
-        assert reductions(jaxmp.all_finite, tree) == 3  # untyped: the devices decide
+        every = jax.make_mesh((jax.device_count(),), ("data",),
+                              axis_types=(jax.sharding.AxisType.Auto,))
+        assert _and_reductions(jaxmp.all_finite, _typed(tree, every), platform="cuda") == 3
+        assert _and_reductions(jaxmp.all_finite, tree, platform="cuda") == 3  # untyped
         local = jax.shard_map(lambda t: jaxmp.all_finite(t)[None], mesh=every, in_specs=P(),
                               out_specs=P("data"))
-        assert reductions(local, tree) == 1
+        assert _and_reductions(local, tree, platform="cuda") == 1
         assert np.asarray(local(tree)).all()
     assert not bool(jaxmp.all_finite(dict(tree, h=tree["h"].at[2].set(jnp.inf))))
 
 
-def test_all_finite_mixed_dtypes_meet_exactly(monkeypatch):
-    # float32's largest values overflow bfloat16 and float16; their concatenation is float32.
-    from jaxmp._src import sharding  # pylint: disable=g-import-not-at-top
+def test_all_finite_mixed_dtypes_meet_exactly():
+    # float32's largest values overflow bfloat16 and float16; a group's concatenation of
+    # them is float32. The GPU's grouped verdict, evaluated here on the CPU.
+    from jaxmp._src import loss_scale  # pylint: disable=g-import-not-at-top
 
-    monkeypatch.setattr(sharding, "values_are_local", lambda values: True)  # as on one device
+    grouped = jax.jit(lambda *xs: loss_scale._verdict(*xs, size=32))
     big = jnp.float32(3.4e38)  # rounds to inf in bfloat16
     assert jnp.isinf(big.astype(jnp.bfloat16))
-    assert bool(jaxmp.all_finite({"a": big, "b": jnp.ones(2, jnp.bfloat16)}))
-    assert bool(jax.jit(jaxmp.all_finite)({"a": jnp.float16(6e4), "b": jnp.bfloat16(1e38)}))
-    assert not bool(jax.jit(jaxmp.all_finite)({"a": jnp.float16(1), "b": jnp.bfloat16(jnp.inf)}))
-    assert not bool(jaxmp.all_finite({"a": jnp.zeros((0, 3)), "b": jnp.array([jnp.nan])}))
+    assert bool(grouped(big, jnp.ones(2, jnp.bfloat16)))
+    assert bool(grouped(jnp.float16(6e4), jnp.bfloat16(1e38)))
+    assert not bool(grouped(jnp.float16(1), jnp.bfloat16(jnp.inf)))
+    assert not bool(grouped(jnp.zeros((0, 3)), jnp.array([jnp.nan])))
+    assert bool(grouped(jnp.zeros((0, 3)), jnp.ones(2, jnp.float16)))
 
 
 @pytest.mark.parametrize(
