@@ -126,6 +126,86 @@ def test_all_finite():
     assert jaxmp.all_finite(jnp.ones(2)).dtype == jnp.bool_
 
 
+def _and_reductions(fn, *args, platform="cpu"):
+    """How many reductions by ``and`` the program of ``fn`` lowered for ``platform`` has."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text().count(
+        "applies stablehlo.and")
+
+
+def _typed(tree, mesh):
+    """``tree``'s types, replicated over ``mesh``."""
+    from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec())), tree)
+
+
+def _one_device_mesh():
+    return jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:1])
+
+
+def test_all_finite_is_a_reduction_per_32_leaves_on_a_gpu():
+    # On a GPU one reduction per group of at most 32 leaves, which XLA fuses with their
+    # concatenation: two kernels in the H100 program per group (one or two per leaf before:
+    # 117 kernels on an 8-layer GPT). XLA:GPU fuses at most 96 operands into one kernel and
+    # otherwise writes the concatenation out (645 MiB on an 8-layer GPT). On a CPU, one
+    # reduction per leaf: XLA:CPU would write the concatenation's flags out.
+    many = [jnp.full(3, float(i)) for i in range(70)] + [jnp.ones((2, 2), jnp.bfloat16)]
+    typed = _typed(many, _one_device_mesh())
+    assert _and_reductions(jaxmp.all_finite, typed, platform="cuda") == 3
+    assert _and_reductions(jaxmp.all_finite, typed, platform="cpu") == 71
+
+    def loss(p, x):
+        return jnp.sum(jnp.tanh(x @ p["w"] + p["b"]) * p["h"][:3].astype(jnp.float32))
+
+    def step(p, x):
+        return jaxmp.mp_value_and_grad(loss, compute_dtype=jnp.bfloat16)(
+            p, x, scaler_state=jaxmp.noop_scaler())
+
+    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3), "h": jnp.ones(5, jnp.bfloat16)}
+    args = _typed((params, jnp.ones((2, 4))), _one_device_mesh())
+    assert _and_reductions(step, *args, platform="cuda") == 1  # the step's one verdict
+    assert bool(jaxmp.all_finite(many))
+    assert not bool(jaxmp.all_finite(many[:69] + [jnp.array([1.0, jnp.inf])]))
+
+
+def test_all_finite_concatenates_only_where_nothing_is_gathered():
+    # Over several devices leaves may be sharded each its own way, and concatenating them
+    # would gather them: one reduction per leaf there, on every platform. Typed for one
+    # device, or inside a shard_map whose axes are all manual (each device has its own
+    # shards): one reduction per group of leaves on a GPU.
+    from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+
+    tree = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3), "h": jnp.ones(5, jnp.bfloat16)}
+    assert _and_reductions(jaxmp.all_finite, _typed(tree, _one_device_mesh()), platform="cuda") == 1
+    if jax.device_count() > 1:  # this test session has several CPU devices
+        every = jax.make_mesh((jax.device_count(),), ("data",),
+                              axis_types=(jax.sharding.AxisType.Auto,))
+        assert _and_reductions(jaxmp.all_finite, _typed(tree, every), platform="cuda") == 3
+        assert _and_reductions(jaxmp.all_finite, tree, platform="cuda") == 3  # untyped
+        local = jax.shard_map(lambda t: jaxmp.all_finite(t)[None], mesh=every, in_specs=P(),
+                              out_specs=P("data"))
+        assert _and_reductions(local, tree, platform="cuda") == 1
+        assert np.asarray(local(tree)).all()
+    assert not bool(jaxmp.all_finite(dict(tree, h=tree["h"].at[2].set(jnp.inf))))
+
+
+def test_all_finite_mixed_dtypes_meet_exactly():
+    # float32's largest values overflow bfloat16 and float16; a group's concatenation of
+    # them is float32. The GPU's grouped verdict, evaluated here on the CPU.
+    from jaxmp._src import loss_scale  # pylint: disable=g-import-not-at-top
+
+    grouped = jax.jit(lambda *xs: loss_scale._verdict(*xs, size=32))
+    big = jnp.float32(3.4e38)  # rounds to inf in bfloat16
+    assert jnp.isinf(big.astype(jnp.bfloat16))
+    assert bool(grouped(big, jnp.ones(2, jnp.bfloat16)))
+    assert bool(grouped(jnp.float16(6e4), jnp.bfloat16(1e38)))
+    assert not bool(grouped(jnp.float16(1), jnp.bfloat16(jnp.inf)))
+    assert not bool(grouped(jnp.zeros((0, 3)), jnp.array([jnp.nan])))
+    assert bool(grouped(jnp.zeros((0, 3)), jnp.ones(2, jnp.float16)))
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -50,6 +50,27 @@ def manual_axes() -> tuple[str, ...]:
     return tuple(mesh.manual_axes)
 
 
+def values_are_local(values: Any = ()) -> bool:
+    """Whether each of ``values`` is held whole by every device that computes with it.
+
+    True inside a ``shard_map`` whose mesh axes are all manual (each device
+    sees its own shards), where ``values`` are typed for a mesh of one device
+    (``jit`` of arguments placed on one device, or ``ShapeDtypeStruct`` s with
+    such a sharding, as a deviceless compilation for one GPU has them), and,
+    when their types say nothing of a mesh, where there is only one device.
+    Elsewhere (``jit`` over several devices) XLA may shard a value, and
+    reshaping or concatenating values can then move data between devices.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and set(mesh.axis_names) <= set(mesh.manual_axes):
+        return True
+    meshes = [getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+              for x in jax.tree_util.tree_leaves(values)]
+    if meshes and all(m is not None and not m.empty for m in meshes):
+        return all(m.size == 1 for m in meshes)
+    return jax.device_count() == 1
+
+
 def _names(axis_name: Any) -> tuple[Any, ...]:
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
