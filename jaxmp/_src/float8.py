@@ -396,23 +396,23 @@ def _dot_transposes(ct, a, b, dimension_numbers, product=None):
     """The two backward products of ``dot_general(a, b)`` for the cotangent ``ct``.
 
     ``ct`` has the layout of the product: batch dimensions, then ``a``'s free
-    dimensions, then ``b``'s. ``product(x, y, dimension_numbers, wrt)``
-    computes the product with respect to argument ``wrt`` (0: ``a``, 1:
-    ``b``); default: a float32 ``dot_general``.
+    dimensions, then ``b``'s. ``product(x, y, dimension_numbers)`` computes
+    each (default: a float32 ``dot_general``); each is then transposed into
+    the layout of the argument it differentiates.
     """
-    product = product or (lambda x, y, dn, wrt: _dot(x, y, dn))
+    product = product or _dot
     (ac, bc), (ab, bb) = dimension_numbers
     a_free, b_free, ct_batch, ct_a, ct_b = _dot_layout(a.ndim, b.ndim, dimension_numbers)
     # d/da: contract ct's b-free dimensions with b's free dimensions. The result
     # has a's batch, then a's free dimensions, then b's contracting ones in b's
     # order, each standing for the contracting dimension of a it pairs with.
-    da = product(ct, b, ((ct_b, b_free), (ct_batch, list(bb))), 0)
+    da = product(ct, b, ((ct_b, b_free), (ct_batch, list(bb))))
     order = list(np.argsort(bc))
     da_dims = list(ab) + a_free + [ac[i] for i in order]
     da = lax.transpose(da, tuple(int(i) for i in np.argsort(da_dims)))
     # d/db: the same with the roles exchanged (a as the left operand keeps
     # b's free dimensions last, as in the forward product).
-    db = product(a, ct, ((a_free, ct_a), (list(ab), ct_batch)), 1)
+    db = product(a, ct, ((a_free, ct_a), (list(ab), ct_batch)))
     order = list(np.argsort(ac))
     db_dims = list(bb) + [bc[i] for i in order] + b_free
     db = lax.transpose(db, tuple(int(i) for i in np.argsort(db_dims)))
@@ -451,11 +451,12 @@ def _scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype):
         ct8 = _to_float8(ct, f[0], GRAD_DTYPE)
         dtypes = (a.dtype, b.dtype)
 
-        def dot(x, y, dn, wrt):
-            run = lambda x, y, dtype: _dot(x, y, dn, dtype)
-            return _dequantized(run, x, y, f[3 + wrt]).astype(dtypes[wrt])
-
-        return _dot_transposes(ct8, a8, b8, dimension_numbers, dot)
+        # Each unscaled after its transpose: XLA then writes the product in the layout of the
+        # operand it differentiates (multiplied before, a transposed copy of attention-sized
+        # gradients was written and read back).
+        dot = lambda x, y, dn: _dot(x, y, dn, dtype)
+        da, db = _dot_transposes(ct8, a8, b8, dimension_numbers, dot)
+        return (da * f[3]).astype(dtypes[0]), (db * f[4]).astype(dtypes[1])
 
     product.defvjp(forward, backward)
     return product(a, b)
