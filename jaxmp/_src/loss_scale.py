@@ -194,7 +194,8 @@ class ScalerState:
         # Every concrete state built on the host, including each one a jitted
         # step returns, is read once its step has run (see jaxmp/_src/host.py).
         if self.on_stuck != "off" and host.is_concrete_array(self.alarm):
-            host.watch(_alarm_words(self), functools.partial(_say_alarm, self))
+            host.watch(_alarm_words(self), functools.partial(_say_alarm, self),
+                       background=self.on_stuck == "warn")
 
 
 # The fields added to ScalerState after its first release (the record of the whole
