@@ -480,8 +480,8 @@ def precision_report(fn: Callable, *args: Any, compute_dtype: Any = None,
     paths, Equinox's), forward and backward products apart (a backward product
     is the transpose of a forward one; it keeps the forward product's names).
     FLOPs are ``2 *`` multiply-adds, by operand dtype as
-    :func:`jaxmp.matmul_flops` names them, with the same totals (except
-    inside a ``scan``, counted here once per iteration).
+    :func:`jaxmp.matmul_flops` names them, with the same totals: a
+    ``scan``'s body (and a counted ``while`` loop's) once per iteration.
 
     Each product not in the requested precision is listed with the line of
     your code it comes from and why: kept by your :class:`jaxmp.Float8Rules`;
