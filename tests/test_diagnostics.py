@@ -127,6 +127,28 @@ def test_flop_shares_agree_on_a_training_run_in_one_jit():
     assert jaxmp.half_matmul_flop_share(run, w, x) == pytest.approx(share)
 
 
+@pytest.mark.filterwarnings("ignore::jaxmp.Float8ShortfallWarning")
+def test_matmul_flops_takes_a_pmapped_step_and_its_outputs():
+    # Issue 34: a pmapped Haiku MXFP8 step's own outputs (placed by pmap) raised "mesh should
+    # be the same across the entire program" in the jit that matmul_flops lowers.
+    import haiku as hk  # pylint: disable=g-import-not-at-top
+
+    net = hk.without_apply_rng(hk.transform(lambda x: hk.nets.MLP([32, 32], name="mlp")(x)))
+    x = jnp.ones((2, 32, 32))  # 32 examples a device: the weight gradients are not padded
+    params = net.init(jax.random.key(0), x[0])
+    grad_fn = jaxmp.mp_value_and_grad(lambda p, x: jnp.mean(net.apply(p, x) ** 2),
+                                      compute_dtype=jnp.bfloat16, axis_name="d",
+                                      matmul_dtype=jnp.float8_e4m3fn, float8_scaling="mxfp8")
+    step = jax.pmap(lambda p, x: grad_fn(p, x, scaler_state=jaxmp.noop_scaler())[1],
+                    axis_name="d", devices=jax.devices()[:2])
+    placed = jax.pmap(lambda t: t, devices=jax.devices()[:2])(
+        (jax.tree.map(lambda a: jnp.stack([a, a]), params), x))
+    flops = 2 * 32 * 32 * 32  # one layer's forward product, per device
+    # Two layers: forward and weight gradient each, and the second layer's input gradient.
+    assert jaxmp.matmul_flops(step, *placed) == {"float8_e4m3fn": 5 * flops}
+    assert jaxmp.matmul_flops(step, *placed, platform="cpu") == {"float8_e4m3fn": 5 * flops}
+
+
 def test_block_scaled_float8_products_are_counted_on_cuda():
     # On CUDA an MXFP8 product is cuDNN's block-scaled dot (a custom call), on CPU float8
     # dot_generals per block: the same FLOPs, forward and backward, under float8 either way.

@@ -314,6 +314,18 @@ def _is_float8_key(key: str) -> bool:
     return all(_is_float8_name(part) for part in key.split("+"))
 
 
+def _unplaced(tree: PyTree) -> PyTree:
+    """``tree`` with its concrete arrays as shapes and dtypes, without their devices.
+
+    The FLOPs do not depend on where the values are, and the devices of a
+    ``pmap``'s outputs (a mesh of JAX's own) clash with those of the ``pmap``
+    itself in a ``jit`` around it ("mesh should be the same across the entire
+    program"). A ``jax.ShapeDtypeStruct`` keeps the sharding it was given.
+    """
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if casting.is_array(x) else x, tree)
+
+
 def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any) -> dict[str, int]:
     """FLOPs of the matrix products and convolutions of ``jax.jit(fn)``, by dtype.
 
@@ -340,7 +352,9 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any
             non-array leaves, such as the functions and static fields of an
             Equinox module, or ``None``, are closed over). ``fn`` may return
             any pytree too (a model updated by a training step): only its
-            array leaves are kept.
+            array leaves are kept. Arrays are read for their shapes and
+            dtypes (the outputs of a ``pmap`` step can go back into it); a
+            ``jax.ShapeDtypeStruct`` keeps its sharding.
         platform: the platform to lower for.
         **kwargs: keyword arguments.
 
@@ -361,7 +375,7 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any
         return _arrays(fn(*call_args, **call_kwargs))
 
     with host.no_host_callbacks():  # host callbacks cannot be lowered for another platform
-        lowered = jax.jit(call).trace(dynamic).lower(lowering_platforms=(platform,))
+        lowered = jax.jit(call).trace(_unplaced(dynamic)).lower(lowering_platforms=(platform,))
     return _module_flops(lowered.as_text())
 
 
