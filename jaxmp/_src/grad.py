@@ -60,10 +60,11 @@ def mp_value_and_grad(
     float16 loss with respect to itself is the scale, in float16, and from
     ``2**16`` on it is ``inf``. Floating-point aux leaves come back in float32,
     except framework state returned updated: a subtree of ``aux`` with the
-    tree structure and leaf shapes of an argument in ``no_cast_argnums``
-    (Haiku's state, Flax's ``batch_stats``, an Equinox ``State``) comes back
-    in that argument's dtypes. State carried between steps keeps its dtype,
-    whatever batch it was initialised with.
+    tree structure and leaf shapes of an argument that is not differentiated
+    (Haiku's state, Flax's ``batch_stats``, an Equinox ``State``; those in
+    ``no_cast_argnums`` first) comes back in that argument's dtypes. State
+    carried between steps keeps its dtype, whatever batch it was initialised
+    with and whatever dtype it was cast to.
 
     With ``use_mixed_precision=False`` the inputs are cast to float32, nothing
     is scaled and ``scaler_state`` is returned unchanged, with the same output

@@ -180,8 +180,9 @@ def returned_state_dtypes(aux: PyTree, states: Sequence[PyTree]) -> PyTree:
     """``aux`` with its floating leaves in float32, except the framework state it returns.
 
     A subtree of ``aux`` with the tree structure and leaf shapes of one of
-    ``states`` (the arguments in ``no_cast_argnums``: Haiku state, Flax
-    ``batch_stats``, an Equinox ``State``) is that state returned updated: its
+    ``states`` (the arguments in ``no_cast_argnums``, then the other arguments
+    not differentiated: Haiku state, Flax ``batch_stats``, an Equinox
+    ``State``; a single array is never one) is that state returned updated: its
     floating leaves come back in the dtypes of the state passed in, so the new
     state can replace the old one (``jaxmp.select_tree``, ``lax.scan``) whatever
     dtype it was initialised in. Every other floating leaf comes back in float32.
@@ -339,8 +340,9 @@ class Step:
         Floating inputs are cast to the compute dtype first, except the
         arguments in ``no_cast_argnums``. The loss is converted to float32
         *before* it is multiplied by the scale, so the product cannot overflow
-        float16; floating aux leaves come back in float32, except the state of
-        ``no_cast_argnums`` returned updated (:func:`returned_state_dtypes`).
+        float16; floating aux leaves come back in float32, except an argument
+        that is not differentiated (``no_cast_argnums`` first) returned updated
+        (:func:`returned_state_dtypes`).
         Under autocast, every half-precision floating leaf of the inputs is
         handed to the loss as an exact float32 view (``casting.widen_half``): the
         user's code and its framework's dtype checks (``lax.conv`` refuses a bfloat16
@@ -348,7 +350,13 @@ class Step:
         product in the compute dtype.
         """
         args = list(args)
-        states = [args[i] for i in self.no_cast_positions(len(args))]
+        # The state the loss may return updated: the no_cast_argnums first, then every
+        # other argument that is not differentiated (framework state a user passes without
+        # no_cast_argnums, e.g. cast to bfloat16 by hand: issue 34).
+        kept = self.no_cast_positions(len(args))
+        differentiated = set(resolve_positions(self.nums, len(args), "argnums", self.argnums))
+        states = [args[i] for i in kept] + [
+            a for i, a in enumerate(args) if i not in differentiated and i not in kept]
         if self.input_dtype is None:
             args, kwargs = casting.widen_half((args, kwargs))
         else:
