@@ -28,6 +28,6 @@ def test_scaler_state_is_keyword_only():
     import jax.numpy as jnp
     import pytest
 
-    fn = jaxmp.mp_value_and_grad(lambda w: jnp.sum(w))
+    fn = jaxmp.mp_value_and_grad(lambda w: jnp.sum(w), compute_dtype=jnp.float16)
     with pytest.raises(TypeError, match="scaler_state"):
         fn(jnp.ones(2), jaxmp.init_scaler())

@@ -37,7 +37,7 @@ def batch(step):
 
 
 OPTIMIZER = optax.adam(1e-2)
-GRAD_FN = jaxmp.mp_value_and_grad(loss_fn)
+GRAD_FN = jaxmp.mp_value_and_grad(loss_fn, compute_dtype=jnp.float16)
 
 
 @jax.jit

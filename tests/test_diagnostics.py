@@ -180,7 +180,8 @@ def test_half_share_of_a_mixed_training_step():
     params, x = _params(), jnp.ones((8, 16))
 
     def step(params, x, state):
-        return jaxmp.mp_value_and_grad(_mlp_loss)(params, x, scaler_state=state)
+        return jaxmp.mp_value_and_grad(_mlp_loss,
+                                       compute_dtype=jnp.float16)(params, x, scaler_state=state)
 
     state = jaxmp.init_scaler()
     assert jaxmp.half_matmul_flop_share(step, params, x, state) == 1.0

@@ -33,6 +33,7 @@ PAGES = {
     "low_precision.md": ["getting_started.md"],
     "float8.md": ["getting_started.md"],
     "one_jit.md": [],
+    "inference.md": ["getting_started.md"],
 }
 # Pages whose code a test file of their own runs and checks, as user code (under
 # standard promotion), rather than these tests: page -> that file.

@@ -361,7 +361,8 @@ def test_find_nonfinite_checks_the_mxfp8_step():
     w = jnp.ones((64, 32))
     big = 1e3 * jax.random.uniform(jax.random.key(0), (8, 64), minval=0.5, maxval=1.5)
     loss = lambda w, x: jnp.mean(jnp.tanh((x @ w) / 1e4))  # x @ w is about 6.4e4 .. 9.6e4
-    report = jaxmp.find_nonfinite(loss, matmul_dtype=E4M3, float8_scaling="mxfp8")(w, big)
+    report = jaxmp.find_nonfinite(loss, matmul_dtype=E4M3, float8_scaling="mxfp8",
+                                  compute_dtype=jnp.float16)(w, big)
     first = report.findings[0]
     assert (first.phase, first.kind, first.dtype) == ("forward", "overflow", "float16")
     assert "test_mxfp8.py" in first.where and first.float32_max > 65504

@@ -24,7 +24,8 @@ def _make_float32_loss():
 
 
 def _step(w, x, state):
-    grad_fn = jaxmp.mp_value_and_grad(_make_float32_loss(), autocast=False)
+    grad_fn = jaxmp.mp_value_and_grad(_make_float32_loss(), autocast=False,
+                                      compute_dtype=jnp.float16)
     return grad_fn(w, x, scaler_state=state)
 
 
@@ -88,7 +89,7 @@ def test_two_losses_with_different_first_products_each_say_it():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for loss_fn in (_make_float32_loss(), other_loss, other_loss):
-            grad_fn = jaxmp.mp_value_and_grad(loss_fn, autocast=False)
+            grad_fn = jaxmp.mp_value_and_grad(loss_fn, autocast=False, compute_dtype=jnp.float16)
             jax.eval_shape(lambda *a: grad_fn(*a, scaler_state=state), w, x)
     said = _said(caught, jaxmp.MostlyFloat32Warning)
     assert len(said) == 2

@@ -56,7 +56,7 @@ class MostlyFloat32Warning(UserWarning):
         >>> def loss_fn(w, x):  # and the layer fixes its own dtype to float32
         ...     h = (x @ w).astype(jnp.float32)
         ...     return jnp.mean(h @ w_out)
-        >>> grad_fn = jaxmp.mp_value_and_grad(loss_fn, autocast=False)
+        >>> grad_fn = jaxmp.mp_value_and_grad(loss_fn, compute_dtype=jnp.float16, autocast=False)
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")
         ...     _ = grad_fn(jnp.ones((8, 8)), jnp.ones((2, 8)), scaler_state=jaxmp.init_scaler())

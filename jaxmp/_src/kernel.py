@@ -233,6 +233,7 @@ class Step:
     use_mixed_precision: bool
     axis_name: Any
     reduce_dtype: Any = None
+    compute_dtype: Any = None
     # What tracing learnt, for the rest of the step and for later traces:
     # "census" once the cast-inputs path's products were counted (said once),
     # "float16_loss" whether the loss itself came out in float16.
@@ -272,20 +273,40 @@ class Step:
         reduce_dtype = sharding.check_reduce_dtype(reduce_dtype)
         if use_mixed_precision:  # under jit, XLA's gradient all-reduces in reduce_dtype
             call = sharding.widen_gradient_products(call, reduce_dtype)
+        compute_dtype = casting.canonical_float_dtype(
+            compute_dtype, allowed=casting.COMPUTE_DTYPES, what="compute_dtype")
         return cls(api=api, call=call, input_dtype=input_dtype, argnums=argnums, nums=nums,
                    no_cast_nums=no_cast, has_aux=has_aux,
                    use_mixed_precision=use_mixed_precision, axis_name=axis_name,
-                   reduce_dtype=reduce_dtype)
+                   reduce_dtype=reduce_dtype, compute_dtype=compute_dtype)
 
     @property
     def single_argnum(self) -> bool:
         return isinstance(self.argnums, int)
 
     def check_state(self, scaler_state: Any) -> loss_scale.ScalerState:
-        """The scaler state the user passed, checked once per call."""
+        """The scaler state the user passed, checked once per call.
+
+        A dynamic loss scale with bfloat16 is said, once, while tracing: it
+        rescues nothing there (bfloat16 has float32's range) and it skips the
+        steps of its first descent from ``2**15``.
+        """
         if scaler_state is REQUIRED:
             raise missing_scaler_state(self.api)
-        return loss_scale.check_scaler_state(scaler_state)
+        state = loss_scale.check_scaler_state(scaler_state)
+        if (self.use_mixed_precision and state.mode == "dynamic"
+                and self.compute_dtype == jnp.bfloat16):
+            census.warn_once(
+                ("dynamic scaler with bfloat16", self.api),
+                f"jaxmp: {self.api} computes in bfloat16 (compute_dtype=jnp.bfloat16, jaxmp's "
+                "default) with a dynamic loss scaler (jaxmp.init_scaler). bfloat16 has "
+                "float32's exponent range, so a loss scale rescues no small gradient; it only "
+                "skips steps while it backs off from its initial scale. Use "
+                "jaxmp.scaler_for(jnp.bfloat16) (no scaling; non-finite steps are still "
+                "skipped), or pass compute_dtype=jnp.float16 if you meant float16, whose "
+                "gradients do need the scale.",
+                UserWarning)
+        return state
 
     def differentiable(self, args: Sequence[Any], state: loss_scale.ScalerState
                        ) -> tuple[tuple[PyTree, ...], Callable, sharding.Plan]:
