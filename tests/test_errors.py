@@ -236,3 +236,70 @@ def test_accumulation_batch_not_divisible():
     with pytest.raises(ValueError, match=r"leading batch axis divisible by num_microbatches=3; "
                                          r"argument 1 has shape \(4, 3\)"):
         step(W, X, scaler_state=SCALER)
+
+
+# --- arguments in the wrong place (issue 34) ---------------------------------------
+
+_PARAMS = {"w": jnp.ones(2)}
+_OPT = optax.adam(1e-3)
+_FN = lambda w: jnp.sum(w)  # noqa: E731
+_TRUE = jnp.asarray(True)
+
+MISPLACED = {
+    # optimizer and opt_state swapped: was AttributeError: 'tuple' object has no attribute 'update'
+    "optimizer_update, optimizer and opt_state swapped": (
+        lambda: jaxmp.optimizer_update(_PARAMS, _OPT.init(_PARAMS), _OPT, _PARAMS, _TRUE),
+        TypeError, r"second argument must be the optax optimizer .*got a tuple.*optimizer and "
+                   r"opt_state are swapped.*optimizer_update\(params, optimizer, opt_state"),
+    "optimizer_update, optimizer first": (
+        lambda: jaxmp.optimizer_update(_OPT, _PARAMS, _OPT.init(_PARAMS), _PARAMS, _TRUE),
+        TypeError, r"the parameters come first"),
+    "optimizer_update, grads of other parameters": (
+        lambda: jaxmp.optimizer_update(_PARAMS, _OPT, _OPT.init(_PARAMS), {"v": jnp.ones(2)},
+                                       _TRUE),
+        ValueError, r"grads do not have the structure of params"),
+    "select_tree, the flag last": (
+        lambda: jaxmp.select_tree(_PARAMS, _PARAMS, _TRUE),
+        ValueError, r"select_tree\(pred, on_true, on_false\): pred must be a scalar boolean"),
+    "cast_tree, the dtype first": (
+        lambda: jaxmp.cast_tree(jnp.float16, _PARAMS),
+        ValueError, r"dtype must be a floating-point dtype .*wrong order"),
+    "cast_to_half_precision, the dtype first": (
+        lambda: jaxmp.cast_to_half_precision(jnp.float16, _PARAMS),
+        ValueError, r"wrong order"),
+    "cast_function, the dtype first": (
+        lambda: jaxmp.cast_function(jnp.float16, _FN), ValueError, r"wrong order"),
+    "cast_function, not a function": (
+        lambda: jaxmp.cast_function(_PARAMS, jnp.float16),
+        TypeError, r"jaxmp.cast_function takes a function first"),
+    "force_full_precision, not a function": (
+        lambda: jaxmp.force_full_precision(_PARAMS), TypeError, r"takes a function first"),
+    "autocast, the dtype first": (
+        lambda: jaxmp.autocast(jnp.bfloat16, _FN), ValueError,
+        r"compute_dtype must be a floating-point dtype .*wrong order"),
+    "autocast, not a function": (
+        lambda: jaxmp.autocast(_PARAMS), TypeError, r"jaxmp.autocast takes a function first"),
+    "find_nonfinite, the dtype first": (
+        lambda: jaxmp.find_nonfinite(jnp.float16, _FN), ValueError, r"wrong order"),
+    "matmul_flops, the arguments first": (
+        lambda: jaxmp.matmul_flops(_PARAMS, _FN), TypeError, r"takes a function first"),
+    "precision_report, the arguments first": (
+        lambda: jaxmp.precision_report(_PARAMS, _FN), TypeError, r"takes a function first"),
+    "saved_activation_bytes, the arguments first": (
+        lambda: jaxmp.saved_activation_bytes(_PARAMS, _FN), TypeError, r"takes a function first"),
+    "scaler_for, given a scaler": (
+        lambda: jaxmp.scaler_for(jaxmp.init_scaler()), ValueError, r"got a ScalerState"),
+    "adjust, the flag first": (
+        lambda: jaxmp.adjust(True, jaxmp.init_scaler()), TypeError,
+        r"must be a jaxmp.ScalerState .*got bool"),
+    "low_precision_optimizer, the dtype first": (
+        lambda: jaxmp.low_precision_optimizer(jnp.bfloat16, _OPT), TypeError,
+        r"wraps an optax transformation"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISPLACED))
+def test_arguments_in_the_wrong_place_are_named(case):
+    call, error, message = MISPLACED[case]
+    with pytest.raises(error, match=message):
+        call()

@@ -1076,6 +1076,7 @@ def autocast(
         >>> bool(err.max() < 0.1)
         True
     """
+    casting.check_function(fn, "jaxmp.autocast", "autocast(fn, compute_dtype=jnp.bfloat16, ...)")
     compute_dtype = casting.canonical_float_dtype(
         compute_dtype, allowed=casting.COMPUTE_DTYPES, what="compute_dtype"
     )

@@ -83,6 +83,8 @@ def saved_activation_bytes(
         >>> full / half
         2.0
     """
+    casting.check_function(fn, "jaxmp.saved_activation_bytes",
+                           "saved_activation_bytes(fn, *args, argnums=0, has_aux=False)")
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     dynamic, static = casting.partition((args, kwargs), _is_dynamic)
 
@@ -368,6 +370,7 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any
         >>> jaxmp.matmul_flops(lambda a, b: a @ b, a, b)  # 2 * 2*3*4 multiply-adds
         {'float16': 48}
     """
+    casting.check_function(fn, "jaxmp.matmul_flops", "matmul_flops(fn, *args, **kwargs)")
     dynamic, static = casting.partition((args, kwargs), _is_dynamic)
 
     def call(dynamic):

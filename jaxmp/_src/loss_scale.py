@@ -477,18 +477,21 @@ def unscale(state: ScalerState, tree: PyTree) -> PyTree:
     return _apply_scale(state, tree, jnp.divide)
 
 
-def check_finite_flag(finite: Any) -> jax.Array:
-    """Returns ``finite`` as an array, raising ``ValueError`` unless it is a scalar bool."""
+def check_finite_flag(finite: Any, name: str = "finite") -> jax.Array:
+    """Returns ``finite`` as an array, raising ``ValueError`` unless it is a scalar bool.
+
+    ``name`` is the argument as the error message calls it.
+    """
     try:
         finite = jnp.asarray(finite)
     except (TypeError, ValueError):
         raise ValueError(
-            "finite must be a scalar boolean (as returned by jaxmp.all_finite or "
+            f"{name} must be a scalar boolean (as returned by jaxmp.all_finite or "
             f"jaxmp.mp_value_and_grad), got {type(finite).__name__}."
         ) from None
     if finite.shape != () or finite.dtype != jnp.bool_:
         raise ValueError(
-            "finite must be a scalar boolean (as returned by jaxmp.all_finite or "
+            f"{name} must be a scalar boolean (as returned by jaxmp.all_finite or "
             f"jaxmp.mp_value_and_grad), got an array of shape {finite.shape} and dtype "
             f"{finite.dtype}."
         )

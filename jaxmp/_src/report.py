@@ -536,6 +536,8 @@ def precision_report(fn: Callable, *args: Any, compute_dtype: Any = None,
         >>> report.wider
         ()
     """
+    casting.check_function(fn, "jaxmp.precision_report",
+                           "precision_report(fn, *args, compute_dtype=None, **kwargs)")
     compute = None
     if compute_dtype is not None:
         compute = casting.canonical_float_dtype(compute_dtype, allowed=casting.COMPUTE_DTYPES,
