@@ -336,7 +336,8 @@ def test_half_precision_params_under_float16_scaling_warn_at_trace_time():
 @pytest.mark.parametrize("case", ["float32_params", "pure_bfloat16", "no_mixed_precision"])
 def test_master_weight_check_is_quiet_otherwise(case):
     x = jnp.ones((4, 3))
-    w, options, scaler = jnp.ones((3, 2)), {}, jaxmp.init_scaler()
+    # float32 master weights under float16 loss scaling (a dynamic scaler is for float16).
+    w, options, scaler = jnp.ones((3, 2)), {"compute_dtype": jnp.float16}, jaxmp.init_scaler()
     if case == "pure_bfloat16":
         w, options, scaler = w.astype(jnp.bfloat16), {"compute_dtype": jnp.bfloat16}, \
             jaxmp.noop_scaler()
