@@ -450,10 +450,12 @@ def _collective_types(hlo, op, shape):
     return {t for head in heads for t in re.findall(r"(\w+)\[" + shape + r"\]", head)}
 
 
-@pytest.mark.parametrize("make", [
-    lambda **o: jaxmp.mp_value_and_grad(_full_loss, **o),
-    lambda **o: jaxmp.mp_value_and_grad(_full_loss, autocast=True, **o),  # products in remat
-    lambda **o: jaxmp.accumulate_value_and_grad(_full_loss, 2, **o),  # products in a scan
+@pytest.mark.parametrize("make", [  # float16: the test reads float16 all-reduces
+    lambda **o: jaxmp.mp_value_and_grad(_full_loss, compute_dtype=jnp.float16, **o),
+    lambda **o: jaxmp.mp_value_and_grad(_full_loss, compute_dtype=jnp.float16, autocast=True,
+                                        **o),  # products in remat
+    lambda **o: jaxmp.accumulate_value_and_grad(_full_loss, 2, compute_dtype=jnp.float16,
+                                                **o),  # products in a scan
 ], ids=["plain", "autocast", "accumulate"])
 def test_jit_reduce_dtype_moves_xla_all_reduce_to_float32(make):
     _, put_params, put_batch = _jit_layout("data_parallel")
