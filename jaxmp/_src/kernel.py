@@ -58,9 +58,9 @@ def missing_scaler_state(api: str) -> TypeError:
     return TypeError(
         f"The function returned by {api} needs the keyword argument scaler_state=, the "
         "loss-scaling state that it returns updated. Create it once with "
-        "jaxmp.init_scaler() for float16 (dynamic loss scaling) or jaxmp.noop_scaler() for "
-        "bfloat16 and float32 (jaxmp.scaler_for(compute_dtype) picks one), and pass back "
-        "the one each step returns."
+        "jaxmp.scaler_for(compute_dtype) (for float16 a dynamic loss scaler, "
+        "jaxmp.init_scaler(); for bfloat16 and float32 none, jaxmp.noop_scaler()), and pass "
+        "back the one each step returns."
     )
 
 
