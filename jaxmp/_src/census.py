@@ -163,8 +163,8 @@ def is_differentiated(x: Any) -> bool:
 
 
 def _inner_jaxprs(eqn) -> list[tuple[Any, list | None]]:
-    """The jaxprs inside ``eqn``, each with the outer values its inputs stand for, in order
-    (``None`` for an input with no single outer value); ``None`` when unknown."""
+    """The jaxprs inside ``eqn``, each with the outer values its inputs stand for, in order,
+    or with ``None`` when its inputs cannot be matched to the equation's one for one."""
     name, params = eqn.primitive.name, eqn.params
     outer = list(eqn.invars)
     if name == "cond":
