@@ -198,45 +198,54 @@ class ScalerState:
                        background=self.on_stuck == "warn")
 
 
-# The fields added to ScalerState after its first release (the record of the whole
-# run). A checkpoint written before has none of them: it is loaded with the record
-# started from what the checkpoint holds (see ``_from_state_dict``).
+# The array fields of a ScalerState (what a checkpoint holds), and those added after
+# its first release (the record of the whole run). A checkpoint written before has none
+# of these: it is loaded with the record started from what it holds (``_from_state_dict``).
+_ARRAY_FIELDS = tuple(f.name for f in dataclasses.fields(ScalerState)
+                      if f.metadata.get("pytree_node", True))
 _RECORD_FIELDS = ("longest_skip_run", "alarm_record", "alarm_record_step")
-_flax_from_state_dict = serialization._STATE_DICT_REGISTRY[ScalerState][1]
+
+
+def _to_state_dict(state: ScalerState) -> dict:
+    """What ``flax.serialization`` (and so a checkpoint) stores: the array fields."""
+    return {name: serialization.to_state_dict(getattr(state, name)) for name in _ARRAY_FIELDS}
 
 
 def _from_state_dict(target: ScalerState, state: dict) -> ScalerState:
     """``flax.serialization``'s restore of a :class:`ScalerState`, old checkpoints included.
 
-    A state dict without the record fields (a checkpoint from before they
-    existed) gets them from its own counters: the longest run of skips is the
-    current one, the record is the current alarm. Any other missing field is
-    flax's error, with what the fields are.
+    The settings come from ``target``, the arrays from ``state``. A state dict
+    without the record fields (a checkpoint from before they existed) gets them
+    from its own counters: the longest run of skips is the current one, the
+    record is the current alarm. Any other missing or unknown field is an error
+    that lists the fields.
     """
     state = dict(state)
     if all(name not in state for name in _RECORD_FIELDS) and "overflow_streak" in state:
-        alarm = state.get("alarm", 0)
-        state["longest_skip_run"] = state["overflow_streak"]
+        alarm = np.asarray(state.get("alarm", 0), np.int32)
+        state["longest_skip_run"] = np.asarray(state["overflow_streak"], np.int32)
         state["alarm_record"] = alarm
-        state["alarm_record_step"] = np.where(np.asarray(alarm) != 0,
-                                              state.get("alarm_step", 0), 0)
-        state = {k: np.asarray(v, np.int32) if k in _RECORD_FIELDS else v
-                 for k, v in state.items()}
-    try:
-        return _flax_from_state_dict(target, state)
-    except ValueError as e:
+        state["alarm_record_step"] = np.where(
+            alarm != 0, np.asarray(state.get("alarm_step", 0), np.int32), np.int32(0))
+    missing = [name for name in _ARRAY_FIELDS if name not in state]
+    unknown = sorted(set(state) - set(_ARRAY_FIELDS))
+    if missing or unknown:
         raise ValueError(
-            f"{e}\n  A jaxmp.ScalerState checkpoint holds the array fields "
-            f"{', '.join(f.name for f in dataclasses.fields(ScalerState) if f.metadata.get('pytree_node', True))}"
-            " (a checkpoint written before the record fields "
-            f"{', '.join(_RECORD_FIELDS)} existed loads without them): restore the scaler state "
-            "saved with the run, onto a target made by jaxmp.init_scaler, static_scaler or "
-            "noop_scaler.") from None
+            f"Cannot restore a jaxmp.ScalerState at {serialization.current_path()}: "
+            + (f"missing field(s) {', '.join(missing)}" if missing else "")
+            + ("; " if missing and unknown else "")
+            + (f"unknown field(s) {', '.join(unknown)}" if unknown else "")
+            + f". Its checkpoint holds the array fields {', '.join(_ARRAY_FIELDS)} (one "
+            f"written before the record fields {', '.join(_RECORD_FIELDS)} existed loads "
+            "without them): restore the scaler state saved with the run, onto a target made "
+            "by jaxmp.init_scaler, static_scaler or noop_scaler.")
+    return target.replace(**{
+        name: serialization.from_state_dict(getattr(target, name), state[name], name=name)
+        for name in _ARRAY_FIELDS})
 
 
 serialization.register_serialization_state(
-    ScalerState, serialization._STATE_DICT_REGISTRY[ScalerState][0], _from_state_dict,
-    override=True)
+    ScalerState, _to_state_dict, _from_state_dict, override=True)
 
 
 def _check_number(name: str, value: Any, *, integer: bool = False) -> float | int:
