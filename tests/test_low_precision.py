@@ -109,11 +109,12 @@ def test_the_state_forwards_reads_of_the_wrapped_states_fields():
     multi = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2)
     wrapped = jaxmp.low_precision_optimizer(multi)
     plain_state, state = multi.init(jaxmp.cast_to_float32(params)), wrapped.init(params)
+    plain_update, update = jax.jit(multi.update), jax.jit(wrapped.update)
     with jax.numpy_dtype_promotion("standard"):  # optax's own arithmetic needs it
         for _ in range(3):
-            _, plain_state = multi.update(jaxmp.cast_to_float32(grads), plain_state,
+            _, plain_state = plain_update(jaxmp.cast_to_float32(grads), plain_state,
                                           jaxmp.cast_to_float32(params))
-            _, state = wrapped.update(grads, state, params)
+            _, state = update(grads, state, params)
     assert int(state.gradient_step) == int(plain_state.gradient_step) == 1
     assert int(state.mini_step) == int(plain_state.mini_step) == 1
     assert bool(multi.has_updated(state)) == bool(multi.has_updated(plain_state))
