@@ -26,7 +26,8 @@ W, X = jnp.linspace(-1.0, 1.0, 3), jnp.linspace(-2.0, 2.0, 12).reshape(4, 3)
 def test_missing_scaler_state_names_the_wrapper_and_how_to_make_one(api):
     fn = WRAPPERS[api](_loss)
     with pytest.raises(TypeError, match=f"The function returned by {api} needs the keyword "
-                                        r"argument scaler_state=.*jaxmp.scaler_for\(compute_dtype\)"):
+                                        r"argument scaler_state=.*"
+                                        r"jaxmp.scaler_for\(compute_dtype\)"):
         fn(W, X)
 
 

@@ -121,7 +121,8 @@ def test_the_state_forwards_reads_of_the_wrapped_states_fields():
     # A schedule's count and inject_hyperparams' hyperparameters, through jit too.
     tx = jaxmp.low_precision_optimizer(optax.inject_hyperparams(optax.adam)(learning_rate=3e-4))
     state = jax.jit(lambda s: tx.update(grads, s, params)[1])(tx.init(params))
-    assert int(state.count) == 1 and float(state.hyperparams["learning_rate"]) == pytest.approx(3e-4)
+    assert int(state.count) == 1
+    assert float(state.hyperparams["learning_rate"]) == pytest.approx(3e-4)
     # The fields of the wrapper itself come first; a name neither has says both.
     assert state.key is not None and state.inner.count is state.count
     with pytest.raises(AttributeError, match="nor has the state of the optimizer it wraps"):

@@ -161,7 +161,8 @@ def test_haiku_state_cast_by_the_user_comes_back_in_its_dtype():
         _, reference = jax.jit(_haiku.apply, static_argnums=4)(
             jaxmp.cast_to_float32(params), state32, None, x, True)
     assert _dtypes(new_state) == {BF16}
-    for got, want in zip(jax.tree_util.tree_leaves(new_state), jax.tree_util.tree_leaves(reference)):
+    for got, want in zip(jax.tree_util.tree_leaves(new_state),
+                         jax.tree_util.tree_leaves(reference)):
         np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0.02, atol=1e-3)
 
 

@@ -94,8 +94,9 @@ def test_the_message_on_the_docs_page_is_what_jaxmp_says():
     # docs/one_jit.md: the default float16 scaler, stuck for 40 steps then fine for 100.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        flags = jnp.array([False] * 40 + [True] * 100)
         final, _ = jax.lax.scan(lambda s, f: (jaxmp.adjust(s, f), None),
-                                jaxmp.scaler_for(jnp.float16), jnp.array([False] * 40 + [True] * 100))
+                                jaxmp.scaler_for(jnp.float16), flags)
         jax.block_until_ready(final)
         from jaxmp._src import host  # pylint: disable=g-import-not-at-top
         host.flush()

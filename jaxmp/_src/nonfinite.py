@@ -846,7 +846,8 @@ def find_nonfinite(
         >>> def loss_fn(w, x):
         ...     return jnp.mean(jnp.exp(x @ w))
         >>> w, x = jnp.full((4,), 3.0), jnp.ones((2, 4))
-        >>> report = jaxmp.find_nonfinite(loss_fn, jnp.float16, autocast=False)(w, x)  # exp(12) > 65504
+        >>> # float16, inputs cast (autocast=False): exp(12) > 65504
+        >>> report = jaxmp.find_nonfinite(loss_fn, jnp.float16, autocast=False)(w, x)
         >>> bool(report), report.findings[0].phase, report.findings[0].primitive
         (True, 'forward', 'exp')
 
