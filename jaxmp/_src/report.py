@@ -62,6 +62,13 @@ _REASONS = {
         "its operands are {dtypes}, made by your code{origin}",
         "run the step under autocast (mp_value_and_grad's default), or cast that value "
         "(e.g. the layer's dtype=) to {compute}"),
+    "outside": census._Why(
+        "it is outside the functions jaxmp runs under autocast (the loss given to "
+        "mp_value_and_grad, a function given to jaxmp.autocast), so it runs as your code "
+        "wrote it, on {dtypes} operands{origin}",
+        "nothing, if it is meant to stay wide (a rollout's or an evaluation's forward pass "
+        "is often cheap); to run it in {compute} too, call the code that makes it through "
+        "jaxmp.autocast(fn, compute_dtype)"),
 }
 # Where a wide operand made by the user's code comes from, when the program shows it.
 _ORIGINS = {
@@ -104,7 +111,9 @@ class Wider(NamedTuple):
         flops: their FLOPs.
         reason: why: ``"kept"`` (your :class:`jaxmp.Float8Rules`), ``"user"``
             (an operand your code made: a layer with its own dtype, a value
-            captured by a closure), ``"operand"`` / ``"float8_operand"`` /
+            captured by a closure), ``"outside"`` (a product outside the
+            functions autocast runs, in a step where autocast runs others: a
+            rollout's forward pass), ``"operand"`` / ``"float8_operand"`` /
             ``"custom_rule"`` (not supported: a non-floating operand, one float8
             operand, a function with its own derivative rule) or ``"rules"``
             (the autocast rules leave the primitive out of ``low_precision``).
@@ -134,7 +143,8 @@ class PrecisionReport(NamedTuple):
         wider: ``Wider(layer, phase, dtype, flops, reason, says, fix, where)``
             named tuples, one per layer path, pass, dtype and reason whose
             products are not in the requested precision; ``reason`` is
-            ``"user"`` (an operand your code made wider), ``"kept"`` (your
+            ``"user"`` (an operand your code made wider), ``"outside"`` (outside
+            the functions autocast runs), ``"kept"`` (your
             :class:`jaxmp.Float8Rules`), ``"rules"`` (left out of the autocast
             rules' ``low_precision``), ``"operand"``, ``"float8_operand"`` or
             ``"custom_rule"`` (not supported); ``where`` is your file and line.
@@ -382,7 +392,9 @@ def _why(program: _Program, eqn, enclosing: tuple, name_stack: str, key: str,
     if any(_widens(c) for c in program.autocast_converts(eqn)) or (
             program.cast_by_autocast and eqn.primitive.name not in program.cast_by_autocast):
         return "rules"
-    return "user"
+    # Inside a function autocast runs, every product of this primitive has its operands
+    # cast (or a reason above): one with none, where autocast casts others, is outside it.
+    return "outside" if program.cast_by_autocast else "user"
 
 
 def _explain(why: str, eqn, enclosing: tuple, program: _Program, compute: np.dtype | None,
@@ -394,7 +406,7 @@ def _explain(why: str, eqn, enclosing: tuple, program: _Program, compute: np.dty
                   compute=compute.name if compute is not None else "half precision",
                   rule=census._CUSTOM_RULES[custom[-1]] if custom else "jax.custom_vjp",
                   origin="")
-    if why == "user":
+    if why in ("user", "outside"):
         kind, where = program.origin_of(eqn)
         same = where == source.user_location(eqn, enclosing)
         where = "on that line" if same else f"at {where}"
@@ -480,13 +492,15 @@ def precision_report(fn: Callable, *args: Any, compute_dtype: Any = None,
     paths, Equinox's), forward and backward products apart (a backward product
     is the transpose of a forward one; it keeps the forward product's names).
     FLOPs are ``2 *`` multiply-adds, by operand dtype as
-    :func:`jaxmp.matmul_flops` names them, with the same totals (except
-    inside a ``scan``, counted here once per iteration).
+    :func:`jaxmp.matmul_flops` names them, with the same totals: a
+    ``scan``'s body (and a counted ``while`` loop's) once per iteration.
 
     Each product not in the requested precision is listed with the line of
     your code it comes from and why: kept by your :class:`jaxmp.Float8Rules`;
     an operand your code made wider (a layer with ``dtype=jnp.float32``, a
-    batch captured by a closure, an argument that is not cast); not
+    batch captured by a closure, an argument that is not cast); outside the
+    functions jaxmp runs under autocast (a rollout's forward pass beside the
+    loss of ``mp_value_and_grad``); not
     supported (an integer operand, a function with its own derivative rule,
     run as written); or left out of the autocast rules' ``low_precision``.
 
@@ -522,6 +536,8 @@ def precision_report(fn: Callable, *args: Any, compute_dtype: Any = None,
         >>> report.wider
         ()
     """
+    casting.check_function(fn, "jaxmp.precision_report",
+                           "precision_report(fn, *args, compute_dtype=None, **kwargs)")
     compute = None
     if compute_dtype is not None:
         compute = casting.canonical_float_dtype(compute_dtype, allowed=casting.COMPUTE_DTYPES,
