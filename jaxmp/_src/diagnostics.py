@@ -215,6 +215,18 @@ def _is_float8_key(key: str) -> bool:
     return all(_is_float8_name(part) for part in key.split("+"))
 
 
+def _array_function(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, PyTree]:
+    """``(call, dynamic)``: ``fn`` as a function of the array leaves of ``(args, kwargs)``
+    (``dynamic``; the other leaves are closed over) that returns its result's array leaves."""
+    dynamic, static = casting.partition((args, kwargs), _is_dynamic)
+
+    def call(dynamic):
+        call_args, call_kwargs = casting.combine(dynamic, static)
+        return _arrays(fn(*call_args, **call_kwargs))
+
+    return call, dynamic
+
+
 def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any) -> dict[str, int]:
     """FLOPs of the matrix products and convolutions of ``jax.jit(fn)``, by dtype.
 
@@ -251,12 +263,7 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any
         >>> jaxmp.matmul_flops(lambda a, b: a @ b, a, b)  # 2 * 2*3*4 multiply-adds
         {'float16': 48}
     """
-    dynamic, static = casting.partition((args, kwargs), _is_dynamic)
-
-    def call(dynamic):
-        call_args, call_kwargs = casting.combine(dynamic, static)
-        return _arrays(fn(*call_args, **call_kwargs))
-
+    call, dynamic = _array_function(fn, args, kwargs)
     with host.no_host_callbacks():  # host callbacks cannot be lowered for another platform
         lowered = jax.jit(call).trace(dynamic).lower(lowering_platforms=(platform,))
     return _module_flops(lowered.as_text())

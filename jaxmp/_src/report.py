@@ -530,10 +530,5 @@ def precision_report(fn: Callable, *args: Any, compute_dtype: Any = None,
     if matmul_dtype is not None:
         matmul = float8.check_matmul_dtype(matmul_dtype, compute if compute is not None
                                            else np.dtype("float32"))
-    dynamic, static = casting.partition((args, kwargs), diagnostics._is_dynamic)
-
-    def call(dynamic):
-        call_args, call_kwargs = casting.combine(dynamic, static)
-        return diagnostics._arrays(fn(*call_args, **call_kwargs))
-
+    call, dynamic = diagnostics._array_function(fn, args, kwargs)
     return _report(jax.make_jaxpr(call)(dynamic), compute, matmul)
