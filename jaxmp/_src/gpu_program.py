@@ -123,7 +123,7 @@ _TARGETS = {
 TARGETS = tuple(_TARGETS)
 
 
-def target(name: str | GpuTarget) -> GpuTarget:
+def get_target(name: str | GpuTarget) -> GpuTarget:
     """The :class:`GpuTarget` named ``name`` (``"h100"``, ``"b200"``), or ``name`` itself."""
     if isinstance(name, GpuTarget):
         return name
@@ -224,14 +224,27 @@ class Product(NamedTuple):
         return "f32" if self.precision == "highest" else "tf32"
 
     @property
+    def how(self) -> str:
+        """How it is compiled, in words (``"cuBLAS __cublas$lt$matmul$f8"``, ``"a kLoop fusion
+        (no tensor cores)"``)."""
+        if self.engine == "loop":
+            where = "unfused" if self.call == "unfused" else f"a {self.call} fusion"
+            return f"{where} (no tensor cores)"
+        return f"{self.engine} {self.call}"
+
+    @property
     def key(self) -> str:
-        """``"engine call [lhs x rhs -> out]"``: products alike share it."""
-        return f"{self.engine} {self.call} [{_short(self.lhs)} x {_short(self.rhs)} -> {_short(self.out)}]"
+        """``"how [lhs x rhs -> out]"``: products alike share it."""
+        return f"{self.how} [{_short(self.lhs)} x {_short(self.rhs)} -> {_short(self.out)}]"
 
     @property
     def dtype_key(self) -> str:
-        """The operand-dtype key of :func:`jaxmp.matmul_flops` for the types as executed."""
+        """The operand-dtype key of :func:`jaxmp.matmul_flops` for the types as executed; a
+        product without tensor cores counts as ``"float32"`` (``"float64"``), the arithmetic
+        the loop emitter runs it in."""
         from jaxmp._src import diagnostics  # pylint: disable=import-outside-toplevel
+        if not self.tensor_cores:
+            return "float64" if "f64" in self.operands else "float32"
         lhs, rhs = (_NUMPY_NAMES.get(d, d) for d in self.operands)
         return diagnostics.product_key(lhs, rhs)
 
@@ -269,9 +282,10 @@ class _Census:
         self.module = module
         self.runs = module.executions
 
-    # How a value came to be: the narrowest float type it passed through unchanged.
-    def narrowest(self, name: str, index: int | None = None, depth: int = 0) -> str | None:
-        return self._narrowest(name, index, depth)
+    def narrowest(self, name: str) -> str | None:
+        """The narrowest float type the value ``name`` passed through on its way, moved and
+        converted but not computed on (a dequantised float8 tensor: its float8 type)."""
+        return self._narrowest(name, None, 0)
 
     @functools.lru_cache(maxsize=None)  # pylint: disable=method-cache-max-size-none
     def _narrowest(self, name: str, index: int | None, depth: int) -> str | None:
@@ -388,15 +402,16 @@ class _Census:
             for called in ins.called("calls"):
                 for inner in hlo.walk(self.module, called):
                     if inner.opcode in _PRODUCT_OPS:
-                        found.append(self._inner_product(inner, engine, kind, runs))
+                        found.append(self._inner_product(inner, engine, kind, runs, ins))
             return found
         if ins.opcode in _PRODUCT_OPS:
-            return [self._inner_product(ins, "loop", "unfused", runs)]
+            return [self._inner_product(ins, "loop", "unfused", runs, ins)]
         return []
 
-    def _inner_product(self, ins: hlo.Instruction, engine: str, call: str, runs: int) -> Product:
+    def _inner_product(self, ins: hlo.Instruction, engine: str, call: str, runs: int,
+                       kernel: hlo.Instruction) -> Product:
         if ins.opcode == "convolution":
-            return self._convolution(ins, "convolution", engine, call, runs)
+            return self._convolution(ins, "convolution", engine, call, runs, outer=kernel)
         lhs = self.module.instructions[ins.operands[0]].dims
         flops = 2 * math.prod(ins.dims) * math.prod(
             lhs[d] for d in ins.dimensions("lhs_contracting_dims"))
@@ -407,9 +422,9 @@ class _Census:
         precision = ins.attribute("operand_precision") or ins.attribute("algorithm") or ""
         highest = "highest" in precision.lower() or "f32_f32_f32" in precision.lower()
         return self._product(ins, kind, engine, call, ins.operands[:2], flops, runs,
-                             "highest" if highest else "default")
+                             "highest" if highest else "default", kernel)
 
-    def _convolution(self, ins, kind, engine, call, runs) -> Product:
+    def _convolution(self, ins, kind, engine, call, runs, outer=None) -> Product:
         labels = re.match(r"(\w+)_(\w+)->(\w+)", ins.attribute("dim_labels") or "")
         operands = [self.module.instructions[o].dims for o in ins.operands[:2]]
         if kind == "convolution input gradient":
@@ -422,12 +437,16 @@ class _Census:
         features = (kernel[kernel_labels.index("o")]
                     if "o" in kernel_labels and len(kernel_labels) == len(kernel) else 1)
         flops = 2 * math.prod(forward_out) * math.prod(kernel) // max(features, 1)
-        return self._product(ins, kind, engine, call, ins.operands[:2], flops, runs)
+        return self._product(ins, kind, engine, call, ins.operands[:2], flops, runs,
+                             kernel=outer)
 
-    def _product(self, ins, kind, engine, call, operands, flops, runs, precision="default"):
+    def _product(self, ins, kind, engine, call, operands, flops, runs, precision="default",
+                 kernel=None):
         lhs, rhs = (self.as_executed(o) for o in operands)
+        # A product inside a fusion may carry no metadata of its own: its kernel's says.
+        named = ins if ins.stack_frame is not None or kernel is None else kernel
         return Product(ins.name, kind, engine, call, lhs, rhs, ins.dtype, int(flops), runs,
-                       ins.op_name, self.location(ins), precision)
+                       ins.op_name or named.op_name, self.location(named), precision)
 
     # Kernels.
     def kernels(self, products: list[Product], by_kernel: dict[str, list[int]]) -> list["Kernel"]:
@@ -618,7 +637,7 @@ class GpuProgram:
             >>> program.launches, program.bytes_written  # the workspace is not written to HBM
             (1, 4096.0)
         """
-        spec = target_of(target)
+        spec = get_target(target)
         module = hlo.parse(text)
         census = _Census(module)
         products, by_kernel = census.products()
@@ -751,10 +770,6 @@ class GpuProgram:
         return "\n".join(lines)
 
 
-def target_of(name: str | GpuTarget) -> GpuTarget:
-    return target(name)
-
-
 # --- Compiling -------------------------------------------------------------------------------
 
 _PLUGIN_FIX = (
@@ -778,7 +793,7 @@ def _mesh(name: str):
     from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
     try:
         topology = topologies.get_topology_desc(
-            platform="cuda", target_config=target(name).config, topology="1x1x1")
+            platform="cuda", target_config=get_target(name).config, topology="1x1x1")
     except Exception as error:  # pylint: disable=broad-except  (jax raises several kinds)
         why = ("no CUDA plugin for jax is installed" if not plugin_installed() else
                f"the CUDA plugin did not register ({type(error).__name__}: {error})")
@@ -834,7 +849,7 @@ def gpu_program(fn: Callable, *args: Any, target: str | GpuTarget = "h100",
     from jaxmp._src import diagnostics  # pylint: disable=import-outside-toplevel
     from jaxmp._src import host  # pylint: disable=import-outside-toplevel
 
-    spec = target_of(target)
+    spec = get_target(target)
     if spec.name not in _TARGETS:
         raise ValueError(f"jaxmp: gpu_program compiles for the targets it ships "
                          f"({', '.join(_TARGETS)}), not {spec.name!r}")
@@ -866,4 +881,62 @@ def gpu_program(fn: Callable, *args: Any, target: str | GpuTarget = "h100",
     _COMPILED[key] = program
     while len(_COMPILED) > _COMPILED_SIZE:
         _COMPILED.popitem(last=False)
+    warn_if_float8_shortfall(program)
     return program
+
+
+# Why the GPU runs a product wider than float8, and the fix: one row per case.
+_SHORTFALL = {
+    "block_scaled": (
+        "XLA expands jax.nn.scaled_matmul (float8_scaling=\"mxfp8\") into float32 products "
+        "on a GPU without block-scaled GEMMs (cuDNN's block-scaled dot needs sm_100, Blackwell, "
+        "and cuDNN >= 9.7)",
+        "on this GPU use float8_scaling=\"tensor\""),
+    "convolution": (
+        "XLA runs a float8 convolution in float8 only where cuDNN has a float8 graph for it "
+        "(forward convolutions); it widens the operands of the others",
+        "keep convolutions in the compute dtype with jaxmp.Float8Rules(primitives="
+        "{\"dot_general\"})"),
+    "other": (
+        "XLA widened its operands before the product",
+        "print(jaxmp.gpu_program(step, *args, target=...)) lists how every product is compiled"),
+}
+
+
+def _wider_first(program: GpuProgram) -> Product | None:
+    """The product to name first among those not on float8 tensor cores: widened from
+    float8 first, then without tensor cores, then on float32, then the most FLOPs."""
+    wider = [p for p in program.products if not p.float8_native]
+    if not wider:
+        return None
+    return min(wider, key=lambda p: (not p.widened_from_float8, p.tensor_cores,
+                                     p.unit not in ("f32", "tf32"), -p.flops * p.runs))
+
+
+def warn_if_float8_shortfall(program: GpuProgram, tolerance: float = 0.005) -> bool:
+    """Warns (:class:`jaxmp.Float8ShortfallWarning`) when the GPU runs a smaller share of the
+    product FLOPs in float8 than the program before XLA asks for; returns whether it warned."""
+    from jaxmp._src import census  # pylint: disable=import-outside-toplevel
+    requested = program.requested_float8_share
+    native = program.float8_native_share
+    if not requested or native >= requested - tolerance:
+        return False
+    first = _wider_first(program)
+    if first is None:
+        return False
+    if not first.tensor_cores and (first.widened_from_float8 or "scaled_matmul" in first.op_name):
+        why, fix = _SHORTFALL["block_scaled"]
+    elif first.kind.startswith("convolution"):
+        why, fix = _SHORTFALL["convolution"]
+    else:
+        why, fix = _SHORTFALL["other"]
+    where = first.location or first.op_name or first.name
+    return census.warn_once(
+        ("gpu_program", program.target.name, where, first.kind, first.engine),
+        f"jaxmp: on {program.target.description} XLA runs {census._percent(native)} of the "
+        f"matrix-product FLOPs of this program on float8 tensor cores, where jaxmp asks for "
+        f"{census._percent(requested)} (the program before XLA; jaxmp.matmul_flops without "
+        f"target). The first product that runs wider is a {first.kind} compiled as "
+        f"{first.how} on {first.lhs} x {first.rhs} operands at {where}: "
+        f"{why}.\n  Fix: {fix}.",
+        census.Float8ShortfallWarning)
