@@ -95,9 +95,10 @@ def make_step(loss: Callable, variant: str, optimizer=None) -> tuple[Callable, C
 
         def step(state, *batch):
             value, grads = value_and_grad(state["params"], *batch)
-            updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-            return {"params": optax.apply_updates(state["params"], updates),
-                    "opt_state": opt_state}, value
+            with jax.numpy_dtype_promotion("standard"):  # optax relies on it internally
+                updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+                params = optax.apply_updates(state["params"], updates)
+            return {"params": params, "opt_state": opt_state}, value
 
         return init, step
     if variant not in _JAXMP:

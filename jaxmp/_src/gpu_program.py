@@ -282,14 +282,14 @@ class _Census:
         self.module = module
         self.runs = module.executions
 
-    def narrowest(self, name: str) -> str | None:
-        """The narrowest float type the value ``name`` passed through on its way, moved and
+    def narrowest(self, ins: hlo.Instruction) -> str | None:
+        """The narrowest float type the value of ``ins`` passed through on its way, moved and
         converted but not computed on (a dequantised float8 tensor: its float8 type)."""
-        return self._narrowest(name, None, 0)
+        return self._narrowest(ins, None, 0)
 
     @functools.lru_cache(maxsize=None)  # pylint: disable=method-cache-max-size-none
-    def _narrowest(self, name: str, index: int | None, depth: int) -> str | None:
-        ins = self.module.instructions.get(name)
+    def _narrowest(self, ins: hlo.Instruction | None, index: int | None,
+                   depth: int) -> str | None:
         if ins is None or depth > 64:
             return None
         arrays = ins.result if index is None or not ins.is_tuple else ins.result[index:index + 1]
@@ -298,52 +298,44 @@ class _Census:
             return None
         found = None
         op = ins.opcode
-        if op == "bitcast-convert" and ins.operands:
-            source_ins = self.module.instructions.get(ins.operands[0])
+        if op == "bitcast-convert":
+            source_ins = ins.input(0)
             if source_ins is None or source_ins.dtype not in _FLOAT_BITS or (
                     hlo.element_bytes(source_ins.dtype) != hlo.element_bytes(own)):
                 return own  # reinterpreted bits (an E8M0 scale, an integer): a new value
         if op == "get-tuple-element":
-            found = self._narrowest(ins.operands[0], _tuple_index(ins), depth + 1)
+            found = self._narrowest(ins.input(0), _tuple_index(ins), depth + 1)
         elif op in _MOVES or op == "concatenate":
-            for operand in ins.operands[:1] if op != "concatenate" else ins.operands:
+            for operand in ins.inputs[:1] if op != "concatenate" else ins.inputs:
                 found = _narrower(found, self._narrowest(operand, None, depth + 1))
         elif op in ("multiply", "divide"):  # a scaling (a dequantisation): follow the data
-            for operand in ins.operands:
+            for operand in ins.inputs:
                 if self._is_data(operand):
                     found = _narrower(found, self._narrowest(operand, None, depth + 1))
-        elif op == "clamp" and len(ins.operands) == 3:  # a saturating quantisation
-            found = self._narrowest(ins.operands[1], None, depth + 1)
+        elif op == "clamp":  # a saturating quantisation
+            found = self._narrowest(ins.input(1), None, depth + 1)
         elif op == "parameter":
-            caller = self.module.callers.get(ins.computation)
-            number = int(ins.arguments) if ins.arguments.strip().isdigit() else -1
-            if caller is not None and caller.opcode in ("fusion", "call", "async-start") and (
-                    0 <= number < len(caller.operands)):
-                found = self._narrowest(caller.operands[number], None, depth + 1)
+            found = self._narrowest(self.module.argument(ins), None, depth + 1)
         elif op == "fusion":
             for called in ins.called("calls"):
-                root = self.module.root(called)
-                if root is not None:
-                    found = self._narrowest(root.name, index, depth + 1)
-        elif op == "tuple" and index is not None and index < len(ins.operands):
-            return self._narrowest(ins.operands[index], None, depth + 1)
+                found = self._narrowest(self.module.root(called), index, depth + 1)
+        elif op == "tuple" and index is not None:
+            return self._narrowest(ins.input(index), None, depth + 1)
         return _narrower(own, found)
 
     @functools.lru_cache(maxsize=None)  # pylint: disable=method-cache-max-size-none
-    def _is_data(self, name: str) -> bool:
-        """Whether ``name`` is a tensor's values rather than a broadcast scale or a constant."""
-        ins = self.module.instructions.get(name)
+    def _is_data(self, ins: hlo.Instruction | None) -> bool:
+        """Whether ``ins`` is a tensor's values rather than a broadcast scale or a constant."""
         for _ in range(64):
             if ins is None:
                 return False
-            if ins.opcode in ("bitcast", "reshape", "convert", "copy") and ins.operands:
-                ins = self.module.instructions.get(ins.operands[0])
+            if ins.opcode in ("bitcast", "reshape", "convert", "copy"):
+                ins = ins.input(0)
             elif ins.opcode == "parameter":
-                caller = self.module.callers.get(ins.computation)
-                number = int(ins.arguments) if ins.arguments.strip().isdigit() else -1
-                if caller is None or caller.opcode != "fusion" or number >= len(caller.operands):
-                    return True
-                ins = self.module.instructions.get(caller.operands[number])
+                argument = self.module.argument(ins)
+                if argument is None:
+                    return True  # an argument of the program, or a loop's state
+                ins = argument
             elif ins.opcode == "fusion":
                 called = ins.called("calls")
                 ins = self.module.root(called[0]) if called else None
@@ -351,11 +343,12 @@ class _Census:
                 break
         return ins is not None and ins.opcode not in ("broadcast", "constant", "iota")
 
-    def as_executed(self, name: str) -> str:
+    def as_executed(self, ins: hlo.Instruction | None) -> str:
         """An operand's element type, ``"f32<-f8e4m3fn"`` when it was widened on the way."""
-        ins = self.module.instructions[name]
+        if ins is None:
+            return "?"
         own = ins.dtype
-        narrowest = self.narrowest(name)
+        narrowest = self.narrowest(ins)
         if narrowest and own in _FLOAT_BITS and _FLOAT_BITS[narrowest] < _FLOAT_BITS[own]:
             return f"{own}<-{narrowest}"
         return own
@@ -382,17 +375,17 @@ class _Census:
                 config = ins.backend_config.get("gemm_backend_config", {})
                 numbers = config.get("dot_dimension_numbers", {})
                 contracting = [int(d) for d in numbers.get("lhs_contracting_dimensions", [])]
-                lhs = self.module.instructions[ins.operands[0]].dims
+                lhs = ins.input(0).dims
                 flops = 2 * math.prod(ins.dims) * math.prod(lhs[d] for d in contracting)
                 precision = config.get("precision_config", {}).get("operand_precision", [])
-                return [self._product(ins, "dot", "cuBLAS", call, ins.operands[:2], flops, runs,
+                return [self._product(ins, "dot", "cuBLAS", call, ins.inputs[:2], flops, runs,
                                       "highest" if "HIGHEST" in precision else "default")]
             if call in _CONV_CALLS:
                 return [self._convolution(ins, _CONV_CALLS[call], "cuDNN", call, runs)]
             if call in _BLOCK_SCALED_CALLS:
-                lhs = self.module.instructions[ins.operands[0]].dims
+                lhs = ins.input(0).dims
                 flops = 2 * math.prod(ins.dims) * lhs[-1]
-                return [self._product(ins, "block-scaled dot", "cuDNN", call, ins.operands[:2],
+                return [self._product(ins, "block-scaled dot", "cuDNN", call, ins.inputs[:2],
                                       flops, runs)]
             return []
         if ins.opcode == "fusion":
@@ -412,7 +405,7 @@ class _Census:
                        kernel: hlo.Instruction) -> Product:
         if ins.opcode == "convolution":
             return self._convolution(ins, "convolution", engine, call, runs, outer=kernel)
-        lhs = self.module.instructions[ins.operands[0]].dims
+        lhs = ins.input(0).dims
         flops = 2 * math.prod(ins.dims) * math.prod(
             lhs[d] for d in ins.dimensions("lhs_contracting_dims"))
         if ins.opcode == "scaled-dot":
@@ -421,12 +414,12 @@ class _Census:
             kind = "dot"
         precision = ins.attribute("operand_precision") or ins.attribute("algorithm") or ""
         highest = "highest" in precision.lower() or "f32_f32_f32" in precision.lower()
-        return self._product(ins, kind, engine, call, ins.operands[:2], flops, runs,
+        return self._product(ins, kind, engine, call, ins.inputs[:2], flops, runs,
                              "highest" if highest else "default", kernel)
 
     def _convolution(self, ins, kind, engine, call, runs, outer=None) -> Product:
         labels = re.match(r"(\w+)_(\w+)->(\w+)", ins.attribute("dim_labels") or "")
-        operands = [self.module.instructions[o].dims for o in ins.operands[:2]]
+        operands = [o.dims for o in ins.inputs[:2]]
         if kind == "convolution input gradient":
             forward_out, kernel = operands[0], operands[1]
         elif kind == "convolution kernel gradient":
@@ -437,7 +430,7 @@ class _Census:
         features = (kernel[kernel_labels.index("o")]
                     if "o" in kernel_labels and len(kernel_labels) == len(kernel) else 1)
         flops = 2 * math.prod(forward_out) * math.prod(kernel) // max(features, 1)
-        return self._product(ins, kind, engine, call, ins.operands[:2], flops, runs,
+        return self._product(ins, kind, engine, call, ins.inputs[:2], flops, runs,
                              kernel=outer)
 
     def _product(self, ins, kind, engine, call, operands, flops, runs, precision="default",
@@ -469,69 +462,59 @@ class _Census:
                 outputs.pop()
         written = [a.nbytes for a in outputs]
         read: dict[str, float] = {}
-        for number, operand in enumerate(ins.operands):
-            if operand not in read:
-                read[operand] = sum(a.nbytes for a in self._value(operand))
+        for name, operand in zip(ins.operands, ins.inputs):
+            read[name] = sum(a.nbytes for a in operand.result) if operand is not None else 0.0
         if ins.opcode == "fusion":
             called = ins.called("calls")
             fused = called[0] if called else ""
-            parameters = {int(p.arguments): p for p in self.module.computations.get(fused, ())
-                          if p.opcode == "parameter" and p.arguments.strip().isdigit()}
             sliced: dict[str, float] = {}
-            for number, operand in enumerate(ins.operands):
-                parameter = parameters.get(number)
-                taken = self._taken(parameter) if parameter is not None else None
+            for parameter in self.module.computations.get(fused, ()):
+                number = parameter.parameter_number
+                if number is None or number >= len(ins.operands):
+                    continue
+                taken = self._taken(parameter)
                 if taken is not None:
-                    sliced[operand] = min(sliced.get(operand, 0.0) + taken, read[operand])
+                    name = ins.operands[number]
+                    sliced[name] = min(sliced.get(name, 0.0) + taken, read[name])
             read.update(sliced)
             root = self.module.root(fused)
-            elements = ([self.module.instructions[o] for o in root.operands]
-                        if root is not None and root.opcode == "tuple" else [root])
+            elements = list(root.inputs) if root is not None and root.opcode == "tuple" else [root]
             for position, element in enumerate(elements):
-                if element is None or position >= len(written):
-                    continue
                 in_place = self._in_place(element)
-                if in_place is not None:
+                if in_place is not None and position < len(written):
                     buffer, update = in_place
                     written[position] = update
                     if buffer is not None and buffer < len(ins.operands):
                         read[ins.operands[buffer]] = 0.0
-        elif ins.opcode == "dynamic-update-slice":
-            written = [sum(a.nbytes for a in self._value(ins.operands[1]))]
+        elif ins.opcode == "dynamic-update-slice" and len(ins.inputs) > 1:
+            update = ins.input(1)
+            written = [sum(a.nbytes for a in update.result) if update is not None else 0.0]
             read[ins.operands[0]] = 0.0
         return float(sum(written)), float(sum(read.values()))
-
-    def _value(self, name: str) -> tuple[hlo.Array, ...]:
-        ins = self.module.instructions.get(name)
-        return ins.result if ins is not None else ()
 
     def _taken(self, parameter: hlo.Instruction) -> float | None:
         """Bytes a fused parameter's users read of it when every user only slices or gathers
         it (or updates it in place); ``None`` when some user reads it whole."""
         taken = 0.0
-        for user in self.module.users.get(parameter.name, ()):
-            if user.opcode in ("slice", "dynamic-slice") and user.operands[0] == parameter.name:
+        for user in self.module.users.get(parameter, ()):
+            if user.input(0) is not parameter:
+                return None
+            if user.opcode in ("slice", "dynamic-slice", "gather"):
                 taken += sum(a.nbytes for a in user.result)
-            elif user.opcode == "gather" and user.operands[0] == parameter.name:
-                taken += sum(a.nbytes for a in user.result)
-            elif user.opcode == "dynamic-update-slice" and user.operands[0] == parameter.name:
-                taken += 0.0  # written in place, not read
-            else:
+            elif user.opcode != "dynamic-update-slice":  # in place: not read
                 return None
         return taken
 
-    def _in_place(self, element: hlo.Instruction) -> tuple[int | None, float] | None:
+    def _in_place(self, element: hlo.Instruction | None) -> tuple[int | None, float] | None:
         """``(buffer parameter number, update bytes)`` when ``element`` (a fusion output) is
         a dynamic-update-slice of a fused parameter, which XLA runs in place."""
         while element is not None and element.opcode == "bitcast":
-            element = self.module.instructions.get(element.operands[0])
+            element = element.input(0)
         if element is None or element.opcode != "dynamic-update-slice":
             return None
-        buffer = self.module.instructions.get(element.operands[0])
-        update = sum(a.nbytes for a in self._value(element.operands[1]))
-        number = (int(buffer.arguments) if buffer is not None and buffer.opcode == "parameter"
-                  and buffer.arguments.strip().isdigit() else None)
-        return number, update
+        buffer, update = element.input(0), element.input(1)
+        update_bytes = sum(a.nbytes for a in update.result) if update is not None else 0.0
+        return (buffer.parameter_number if buffer is not None else None), update_bytes
 
 
 def _narrower(a: str | None, b: str | None) -> str | None:
@@ -783,6 +766,8 @@ _PLUGIN_FIX = (
 def plugin_installed() -> bool:
     """Whether a CUDA plugin for jax is installed (it may still be unusable)."""
     import importlib.util  # pylint: disable=import-outside-toplevel
+    if importlib.util.find_spec("jax_plugins") is None:
+        return False
     return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None
                for v in (12, 13))
 

@@ -109,6 +109,18 @@ class Instruction:
     attributes: str
     computation: str
     is_root: bool
+    # The operands themselves, found by name in the same computation (None: not found).
+    inputs: tuple = ()
+
+    @property
+    def parameter_number(self) -> int | None:
+        """A ``parameter(N)``'s ``N``."""
+        return int(self.arguments) if self.opcode == "parameter" and (
+            self.arguments.strip().isdigit()) else None
+
+    def input(self, i: int):
+        """The ``i``-th operand's instruction, or ``None``."""
+        return self.inputs[i] if i < len(self.inputs) else None
 
     @property
     def dtype(self) -> str:
@@ -203,7 +215,7 @@ class Module:
 
     computations: dict[str, list[Instruction]]
     entry: str
-    instructions: dict[str, Instruction]
+    instructions: dict[str, Instruction]  # by name (XLA's names are unique in a module)
     locations: dict[int, tuple[str, int, str, int]]  # stack frame -> (file, line, function, parent)
 
     def root(self, computation: str) -> Instruction | None:
@@ -223,13 +235,25 @@ class Module:
         return found
 
     @functools.cached_property
-    def users(self) -> dict[str, list[Instruction]]:
+    def users(self) -> dict[Instruction, list[Instruction]]:
         """The instructions that take each instruction as an operand."""
         found = collections.defaultdict(list)
-        for instruction in self.instructions.values():
-            for operand in instruction.operands:
-                found[operand].append(instruction)
+        for instructions in self.computations.values():
+            for instruction in instructions:
+                for operand in instruction.inputs:
+                    if operand is not None:
+                        found[operand].append(instruction)
         return found
+
+    def argument(self, parameter: Instruction) -> Instruction | None:
+        """What the instruction that calls ``parameter``'s computation (a fusion, call or async
+        start) passes for it; ``None`` for the entry's parameters and loop states."""
+        caller = self.callers.get(parameter.computation)
+        number = parameter.parameter_number
+        if caller is None or number is None or caller.opcode not in ("fusion", "call",
+                                                                      "async-start"):
+            return None
+        return caller.input(number)
 
     @functools.cached_property
     def unknown_trip_counts(self) -> tuple[str, ...]:
@@ -381,6 +405,10 @@ def parse(text: str) -> Module:
     if entry is None:
         raise ValueError("jaxmp: this text has no ENTRY computation: is it an optimized HLO "
                          "module (compiled.as_text())?")
+    for body in computations.values():  # names are resolved within their computation
+        scope = {instruction.name: instruction for instruction in body}
+        for instruction in body:
+            instruction.inputs = tuple(scope.get(name) for name in instruction.operands)
     return Module(computations, entry, instructions, _parse_tables(header))
 
 
