@@ -309,9 +309,9 @@ class _Census:
             for operand in ins.inputs[:1] if op != "concatenate" else ins.inputs:
                 found = _narrower(found, self._narrowest(operand, None, depth + 1))
         elif op in ("multiply", "divide"):  # a scaling (a dequantisation): follow the data
-            for operand in ins.inputs:
-                if self._is_data(operand):
-                    found = _narrower(found, self._narrowest(operand, None, depth + 1))
+            data = [o for o in ins.inputs if self._is_data(o)] or ins.inputs
+            for operand in data:
+                found = _narrower(found, self._narrowest(operand, None, depth + 1))
         elif op == "clamp":  # a saturating quantisation
             found = self._narrowest(ins.input(1), None, depth + 1)
         elif op == "parameter":
@@ -732,7 +732,7 @@ class GpuProgram:
         for key, row in s["products"].items():
             lines.append(f"  {row['count']:5d} {100 * row['flops'] / total:5.1f}%  {key}")
         share = f"float8-native share of product FLOPs: {100 * s['float8_native_share']:.1f}%"
-        if s["requested_float8_share"] is not None:
+        if s["requested_float8_share"]:
             share += f" (jaxmp asked for {100 * s['requested_float8_share']:.1f}%)"
         lines.append("  " + share)
         if s["widened_from_float8"] or s["loop_products"]:
