@@ -272,7 +272,8 @@ def test_a_missing_cuda_plugin_names_the_fix(monkeypatch):
 def test_targets_ship_inside_the_package():
     for name in gp.TARGETS:
         target = gp.get_target(name)
-        assert "cuda_compute_capability" in target.config and 'dnn_version: "9.10.0"' in target.config
+        assert "cuda_compute_capability" in target.config
+        assert 'dnn_version: "9.10.0"' in target.config  # or XLA assumes no cuDNN
         assert set(target.rates) == {"f8", "f16", "tf32", "f32", "f64"}
     assert "major: 9" in gp.get_target("h100").config
     assert "major: 10" in gp.get_target("b200").config
@@ -314,8 +315,9 @@ def test_float8_gpt_step_has_no_float32_or_loop_product():
 
 @pytest.mark.gpu_program
 @needs_plugin
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 31 part 2: the float8 step launches 1.43x the "
-                   "kernels of jaxmp's bf16 step (amax, quantise and scale kernels per product)")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="issue 31 part 2: the float8 step launches 1.43x the kernels of jaxmp's "
+                          "bf16 step (amax, quantise and scale kernels per product)")
 def test_float8_gpt_step_launches_at_most_1_3x_the_kernels_of_bf16():
     assert _step("gpt", "fp8_jaxmp", "h100").launches <= 1.3 * _step(
         "gpt", "bf16_jaxmp", "h100").launches
@@ -323,8 +325,9 @@ def test_float8_gpt_step_launches_at_most_1_3x_the_kernels_of_bf16():
 
 @pytest.mark.gpu_program
 @needs_plugin
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 31 part 2: the float8 step writes 1.06x the bytes "
-                   "of jaxmp's bf16 step (float32 product outputs, separate quantise passes)")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="issue 31 part 2: the float8 step writes 1.06x the bytes of jaxmp's "
+                          "bf16 step (float32 product outputs, separate quantise passes)")
 def test_float8_gpt_step_writes_no_more_bytes_than_bf16():
     assert _step("gpt", "fp8_jaxmp", "h100").bytes_written <= _step(
         "gpt", "bf16_jaxmp", "h100").bytes_written
@@ -332,8 +335,9 @@ def test_float8_gpt_step_writes_no_more_bytes_than_bf16():
 
 @pytest.mark.gpu_program
 @needs_plugin
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 31 part 2: the float8 step's estimated H100 time "
-                   "is 1.4x the bf16 step's")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="issue 31 part 2: the float8 step's estimated H100 time is 1.4x the "
+                          "bf16 step's")
 def test_float8_gpt_step_is_estimated_faster_than_bf16():
     assert _step("gpt", "fp8_jaxmp", "h100").estimated_seconds < _step(
         "gpt", "bf16_jaxmp", "h100").estimated_seconds
@@ -342,17 +346,18 @@ def test_float8_gpt_step_is_estimated_faster_than_bf16():
 # Part 3: float8 convolutions that stay float8 on the GPU.
 @pytest.mark.gpu_program
 @needs_plugin
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 31 part 3: XLA runs the kernel-gradient and "
-                   "strided input-gradient convolutions of the float8 ResNet step in float32 "
-                   "(68% float8-native)")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="issue 31 part 3: XLA runs the kernel-gradient and strided "
+                          "input-gradient convolutions of the float8 ResNet step in float32 (68% "
+                          "float8-native)")
 def test_float8_resnet_step_runs_its_convolutions_in_float8():
     assert _step("resnet", "fp8_jaxmp", "h100").float8_native_share >= 0.99
 
 
 @pytest.mark.gpu_program
 @needs_plugin
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 31 part 3: float32 cuDNN convolutions in the "
-                   "float8 ResNet step")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="issue 31 part 3: float32 cuDNN convolutions in the float8 ResNet step")
 def test_float8_resnet_step_has_no_float32_or_loop_product():
     program = _step("resnet", "fp8_jaxmp", "h100")
     wide = [p for p in program.products if not p.tensor_cores or p.unit in ("f32", "tf32")]
@@ -361,8 +366,9 @@ def test_float8_resnet_step_has_no_float32_or_loop_product():
 
 @pytest.mark.gpu_program
 @needs_plugin
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 31 part 3: stride-2 input gradients run as "
-                   "forward convolutions over a zero-dilated input (4x their FLOPs)")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="issue 31 part 3: stride-2 input gradients run as forward convolutions "
+                          "over a zero-dilated input (4x their FLOPs)")
 def test_float8_resnet_step_computes_no_more_flops_than_bf16():
     assert _step("resnet", "fp8_jaxmp", "h100").flops <= 1.01 * _step(
         "resnet", "bf16_jaxmp", "h100").flops
@@ -370,8 +376,9 @@ def test_float8_resnet_step_computes_no_more_flops_than_bf16():
 
 @pytest.mark.gpu_program
 @needs_plugin
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 31 part 3: the float8 ResNet step writes 1.3x the "
-                   "bytes of the bf16 step")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="issue 31 part 3: the float8 ResNet step writes 1.3x the bytes of the "
+                          "bf16 step")
 def test_float8_resnet_step_writes_no_more_bytes_than_bf16():
     assert _step("resnet", "fp8_jaxmp", "h100").bytes_written <= _step(
         "resnet", "bf16_jaxmp", "h100").bytes_written
@@ -430,9 +437,10 @@ def test_mxfp8_on_h100_has_no_loop_or_widened_product():
 # Part 5: jaxmp's default as lean as a hand-written bfloat16 step.
 @pytest.mark.gpu_program
 @needs_plugin
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 31 part 5: jaxmp's bf16 step launches 1.48x the "
-                   "kernels of the hand-written one (per-leaf finiteness reductions, recomputed "
-                   "float32 statistics)")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="issue 31 part 5: jaxmp's bf16 step launches 1.48x the kernels of the "
+                          "hand-written one (per-leaf finiteness reductions, recomputed float32 "
+                          "statistics)")
 def test_default_step_launches_at_most_1_1x_the_kernels_of_hand_written():
     assert _step("gpt", "bf16_jaxmp", "h100").launches <= 1.10 * _step(
         "gpt", "bf16_hand", "h100").launches
@@ -440,8 +448,9 @@ def test_default_step_launches_at_most_1_1x_the_kernels_of_hand_written():
 
 @pytest.mark.gpu_program
 @needs_plugin
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 31 part 5: jaxmp's bf16 step writes 1.11x the "
-                   "bytes of the hand-written one")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="issue 31 part 5: jaxmp's bf16 step writes 1.11x the bytes of the "
+                          "hand-written one")
 def test_default_step_writes_no_more_bytes_than_hand_written():
     assert _step("gpt", "bf16_jaxmp", "h100").bytes_written <= _step(
         "gpt", "bf16_hand", "h100").bytes_written

@@ -46,8 +46,6 @@ from typing import Any, Callable, Mapping, NamedTuple
 from jaxmp._src import hlo
 from jaxmp._src import source
 
-PyTree = Any
-
 # --- Targets ---------------------------------------------------------------------------------
 
 
@@ -65,6 +63,14 @@ class GpuTarget(NamedTuple):
             runs), ``"f64"``.
         bandwidth: HBM bandwidth in bytes per second (the config's).
         source: where the rates come from.
+
+    Examples:
+        >>> import jaxmp
+        >>> h100 = jaxmp.GpuTarget.named("h100")
+        >>> h100.description, round(h100.rates["f8"] / h100.rates["f16"], 2)
+        ('NVIDIA H100 SXM (sm_90)', 2.0)
+        >>> # An H200 is an H100 (sm_90) with 4.8 TB/s: the same program, another estimate.
+        >>> h200 = h100._replace(name="h200", description="NVIDIA H200 (sm_90)", bandwidth=4.8e12)
     """
 
     name: str
@@ -73,6 +79,11 @@ class GpuTarget(NamedTuple):
     rates: Mapping[str, float]
     bandwidth: float
     source: str
+
+    @classmethod
+    def named(cls, name: str) -> "GpuTarget":
+        """The target shipped with jaxmp under ``name``: ``"h100"`` or ``"b200"``."""
+        return get_target(name)
 
 
 # What the estimate assumes a kernel achieves, calibrated on the step times measured on
@@ -662,7 +673,8 @@ class GpuProgram:
     def float8_native_share(self) -> float:
         """The share of product FLOPs that run on float8 operands on tensor cores."""
         total = self.flops
-        return sum(p.flops * p.runs for p in self.products if p.float8_native) / total if total else 0.0
+        native = sum(p.flops * p.runs for p in self.products if p.float8_native)
+        return native / total if total else 0.0
 
     @property
     def requested_float8_share(self) -> float | None:
@@ -773,12 +785,12 @@ def plugin_installed() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _mesh(name: str):
+def _mesh(config: str, name: str):
     import jax  # pylint: disable=import-outside-toplevel
     from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
     try:
-        topology = topologies.get_topology_desc(
-            platform="cuda", target_config=get_target(name).config, topology="1x1x1")
+        topology = topologies.get_topology_desc(platform="cuda", target_config=config,
+                                                topology="1x1x1")
     except Exception as error:  # pylint: disable=broad-except  (jax raises several kinds)
         why = ("no CUDA plugin for jax is installed" if not plugin_installed() else
                f"the CUDA plugin did not register ({type(error).__name__}: {error})")
@@ -809,7 +821,8 @@ def gpu_program(fn: Callable, *args: Any, target: str | GpuTarget = "h100",
         *args: its arguments: arrays, ``jax.ShapeDtypeStruct`` or any pytree of
             them (non-array leaves are closed over); nothing is computed.
         target: ``"h100"`` (sm_90) or ``"b200"`` (sm_100), or a
-            :class:`jaxmp.GpuTarget`.
+            :class:`jaxmp.GpuTarget` (its ``config`` is what XLA compiles for; its
+            rates and bandwidth are what the estimate uses).
         **kwargs: keyword arguments of ``fn``.
 
     Returns:
@@ -835,10 +848,7 @@ def gpu_program(fn: Callable, *args: Any, target: str | GpuTarget = "h100",
     from jaxmp._src import host  # pylint: disable=import-outside-toplevel
 
     spec = get_target(target)
-    if spec.name not in _TARGETS:
-        raise ValueError(f"jaxmp: gpu_program compiles for the targets it ships "
-                         f"({', '.join(_TARGETS)}), not {spec.name!r}")
-    mesh = _mesh(spec.name)
+    mesh = _mesh(spec.config, spec.name)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def placed(x):
@@ -853,20 +863,21 @@ def gpu_program(fn: Callable, *args: Any, target: str | GpuTarget = "h100",
             call, dynamic = diagnostics._array_function(fn, args, kwargs)
             lowered = jax.jit(call).trace(jax.tree_util.tree_map(placed, dynamic)).lower()
     stablehlo = lowered.as_text()
-    key = (hashlib.sha256(stablehlo.encode()).hexdigest(), spec.name)
+    key = (hashlib.sha256(stablehlo.encode()).hexdigest(), spec.config)
     if key in _COMPILED:
         _COMPILED.move_to_end(key)
-        return _COMPILED[key]
-    compiled = lowered.compile()
-    memory = compiled.memory_analysis()
-    program = GpuProgram.from_hlo(compiled.as_text(), spec,
-                                  temp_bytes=getattr(memory, "temp_size_in_bytes", None))
-    program = dataclasses.replace(program,
-                                  requested_flops=diagnostics._module_flops(stablehlo))
-    _COMPILED[key] = program
-    while len(_COMPILED) > _COMPILED_SIZE:
-        _COMPILED.popitem(last=False)
-    warn_if_float8_shortfall(program)
+        program = dataclasses.replace(_COMPILED[key], target=spec)  # the estimate's rates
+    else:
+        compiled = lowered.compile()
+        memory = compiled.memory_analysis()
+        program = GpuProgram.from_hlo(compiled.as_text(), spec,
+                                      temp_bytes=getattr(memory, "temp_size_in_bytes", None))
+        program = dataclasses.replace(program,
+                                      requested_flops=diagnostics._module_flops(stablehlo))
+        _COMPILED[key] = program
+        while len(_COMPILED) > _COMPILED_SIZE:
+            _COMPILED.popitem(last=False)
+    warn_if_float8_shortfall(program)  # once per place (census.warn_once)
     return program
 
 

@@ -105,7 +105,7 @@ class Instruction:
     is_tuple: bool
     opcode: str
     operands: tuple[str, ...]
-    arguments: str  # the text inside the operand parentheses (a constant's literal, a parameter's index)
+    arguments: str  # inside the operand parentheses (a constant's literal, a parameter's number)
     attributes: str
     computation: str
     is_root: bool
