@@ -279,6 +279,37 @@ def test_targets_ship_inside_the_package():
     assert "major: 10" in gp.get_target("b200").config
 
 
+# --- The benchmark's models and steps, run on the CPU -------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["gpt", "resnet"])
+def test_benchmark_steps_agree_with_float32(model):
+    """The steps the GPU programs are compiled from compute the float32 loss: each variant's
+    first loss within bfloat16/float8 rounding of float32's, near log(classes) at init."""
+    from benchmarks import gpu_program as bench
+    import numpy as np
+
+    loss, init_params, batch, config = bench.model(model, quick=True)
+    params = init_params(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    inputs = [jnp.asarray(rng.integers(0, getattr(config, "vocab", 10), b.shape), b.dtype)
+              if jnp.issubdtype(b.dtype, jnp.integer) else
+              jnp.asarray(rng.standard_normal(b.shape), b.dtype) for b in batch]
+    losses = {}
+    for variant in ("float32", "bf16_hand", "bf16_jaxmp", "fp8_jaxmp"):
+        init, step = bench.make_step(loss, variant)
+        state, value = jax.jit(step)(init(params), *inputs)
+        losses[variant] = float(value)
+        changed = jax.tree_util.tree_map(lambda a, b: bool(jnp.any(a != b)), state["params"],
+                                         params)
+        assert all(jax.tree_util.tree_leaves(changed)), variant  # every parameter trained
+    classes = config.vocab if model == "gpt" else config.num_classes
+    assert abs(losses["float32"] - math.log(classes)) < 1.5
+    for variant, value in losses.items():
+        assert value == pytest.approx(losses["float32"], rel=0.03), (variant, losses)
+
+
 # --- The deviceless H100 and B200 programs of small steps ----------------------------------------
 
 needs_plugin = pytest.mark.skipif(
