@@ -519,8 +519,10 @@ def test_flop_tools_count_the_target_program():
                                         matmul_dtype=jnp.float8_e4m3fn, target="h100", **kwargs)
     shortfall = [w for w in caught if w.category is jaxmp.Float8ShortfallWarning]
     assert len(shortfall) == 1  # said once for the place, however often it is compiled
-    assert re.search(r"(?s)H100 SXM \(sm_90\).*0%.*100%.*kLoop fusion \(no tensor cores\).*"
-                     r"test_gpu_program.py.*float8_scaling=\"tensor\"", str(shortfall[0].message))
+    # jax 0.12 runs the expanded products in loop fusions, jax 0.10/0.11 as cuBLAS float32 GEMMs.
+    assert re.search(r"(?s)H100 SXM \(sm_90\).*0%.*100%.*(kLoop fusion \(no tensor cores\)|"
+                     r"cuBLAS).*f32<-f8e4m3fn.*test_gpu_program.py.*block-scaled GEMMs.*"
+                     r"float8_scaling=\"tensor\"", str(shortfall[0].message))
     assert set(asked) == {"float8_e4m3fn"} and set(runs) == {"float32"}
     assert sum(runs.values()) == sum(asked.values())  # the same products, none in float8
     assert jaxmp.float8_matmul_flop_share(mxfp8, _W, _X, **kwargs) == 1.0

@@ -920,7 +920,7 @@ def warn_if_float8_shortfall(program: GpuProgram, tolerance: float = 0.005) -> b
     first = _wider_first(program)
     if first is None:
         return False
-    if not first.tensor_cores and (first.widened_from_float8 or "scaled_matmul" in first.op_name):
+    if "scaled_matmul" in first.op_name or first.kind == "block-scaled dot":
         why, fix = _SHORTFALL["block_scaled"]
     elif first.kind.startswith("convolution"):
         why, fix = _SHORTFALL["convolution"]
