@@ -569,3 +569,40 @@ def test_docs_page_runs_and_prints_what_it_shows(capsys):
     for line in shown.splitlines():
         if "%" in line and "[" in line or "float8-native share" in line:
             assert line.strip() in printed, line
+
+
+# The benchmark script.
+def test_benchmark_calibration_reads_gpu_compiled_files(tmp_path, capsys):
+    """--calibrate: the estimate of HLO files compiled on a GPU beside the measured step time."""
+    import json
+
+    from benchmarks import gpu_program as bench
+    (tmp_path / "gpt_bf16_jaxmp.hlo").write_text(_GEMM)
+    measured = tmp_path / "results.jsonl"
+    measured.write_text(json.dumps({"model": "gpt", "variant": "bf16_jaxmp", "step_ms_median": 0.01})
+                        + "\n" + json.dumps({"model": "gpt", "variant": "fp8_jaxmp",
+                                             "status": "timeout"}) + "\n")
+    (row,) = bench.main(["--calibrate", str(tmp_path), "--measured", str(measured)])
+    estimate = 1e3 * jaxmp.GpuProgram.from_hlo(_GEMM, "h100").estimated_seconds
+    assert row["estimated_ms"] == round(estimate, 2)
+    assert row["ratio"] == round(estimate / 0.01, 3)
+    assert "| gpt | bf16_jaxmp | 0.01 |" in capsys.readouterr().out
+
+
+@pytest.mark.gpu_program
+@needs_plugin
+def test_benchmark_quick_run_writes_its_census(tmp_path):
+    import json
+
+    from benchmarks import gpu_program as bench
+    rows = bench.main(["--quick", "--models", "gpt", "--variants", "bf16_hand,bf16_jaxmp",
+                       "--target", "h100", "--out", str(tmp_path)])
+    assert [(r["variant"], r["target"]) for r in rows] == [("bf16_hand", "h100"),
+                                                          ("bf16_jaxmp", "h100")]
+    saved = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["kernels"] for r in saved] == [_step("gpt", v, "h100").launches
+                                             for v in ("bf16_hand", "bf16_jaxmp")]
+    assert "| gpt | bf16_jaxmp | h100 | 21 bf16 " in (
+        tmp_path / "results.md").read_text()
+    assert (tmp_path / "hlo" / "gpt_bf16_jaxmp_h100.hlo").read_text() == _step(
+        "gpt", "bf16_jaxmp", "h100").text
