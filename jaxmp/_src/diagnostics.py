@@ -328,8 +328,31 @@ def _unplaced(tree: PyTree) -> PyTree:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if casting.is_array(x) else x, tree)
 
 
-def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any) -> dict[str, int]:
+def _array_function(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, PyTree]:
+    """``(call, dynamic)``: ``fn`` as a function of the array leaves of ``(args, kwargs)``
+    (``dynamic``; the other leaves are closed over) that returns its result's array leaves."""
+    dynamic, static = casting.partition((args, kwargs), _is_dynamic)
+
+    def call(dynamic):
+        call_args, call_kwargs = casting.combine(dynamic, static)
+        return _arrays(fn(*call_args, **call_kwargs))
+
+    return call, dynamic
+
+
+def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", target: Any = None,
+                 **kwargs: Any) -> dict[str, int]:
     """FLOPs of the matrix products and convolutions of ``jax.jit(fn)``, by dtype.
+
+    Without ``target``, this counts the program jaxmp and JAX build, before XLA
+    optimises it: what the step *asks* the compiler for. With ``target="h100"``
+    (or ``"b200"``) it counts the optimized program XLA's GPU compiler makes for
+    that GPU (:func:`jaxmp.gpu_program`: compiled here, no GPU needed, JAX's CUDA
+    plugin needed): what the GPU *runs*. The two differ where XLA widens float8
+    operands before a product (the convolutions it cannot run in float8, the
+    block-scaled dots of a GPU without them) or runs a product without tensor
+    cores; such a product counts under the dtype it runs in (``"float32"`` for
+    one in a loop fusion). Compiling takes seconds to minutes.
 
     ``fn`` is traced with the given arguments and lowered to StableHLO for
     ``platform`` (no such device is needed: lowering for ``"cuda"`` works on a
@@ -357,7 +380,9 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any
             array leaves are kept. Arrays are read for their shapes and
             dtypes (the outputs of a ``pmap`` step can go back into it); a
             ``jax.ShapeDtypeStruct`` keeps its sharding.
-        platform: the platform to lower for.
+        platform: the platform to lower for (without ``target``).
+        target: ``None`` (the program before XLA), or a GPU target (``"h100"``,
+            ``"b200"``, a :class:`jaxmp.GpuTarget`): the optimized program for it.
         **kwargs: keyword arguments.
 
     Returns:
@@ -371,24 +396,24 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any
         {'float16': 48}
     """
     casting.check_function(fn, "jaxmp.matmul_flops", "matmul_flops(fn, *args, **kwargs)")
-    dynamic, static = casting.partition((args, kwargs), _is_dynamic)
-
-    def call(dynamic):
-        call_args, call_kwargs = casting.combine(dynamic, static)
-        return _arrays(fn(*call_args, **call_kwargs))
-
+    if target is not None:
+        from jaxmp._src import gpu_program  # pylint: disable=import-outside-toplevel
+        return gpu_program.gpu_program(fn, *args, target=target, **kwargs).matmul_flops()
+    call, dynamic = _array_function(fn, args, kwargs)
     with host.no_host_callbacks():  # host callbacks cannot be lowered for another platform
         lowered = jax.jit(call).trace(_unplaced(dynamic)).lower(lowering_platforms=(platform,))
     return _module_flops(lowered.as_text())
 
 
-def half_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any) -> float:
+def half_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", target: Any = None,
+                           **kwargs: Any) -> float:
     """The share of :func:`matmul_flops` in low precision: float16, bfloat16 or float8 operands.
 
     A product counts when both operands are float16, both bfloat16, or both
     float8 (of one or two float8 formats); :func:`float8_matmul_flop_share`
     counts the float8 ones alone. Returns ``0.0`` for a function with no
-    matrix products.
+    matrix products. ``target="h100"`` counts what that GPU runs instead of
+    what the step asks for (see :func:`matmul_flops`).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -401,13 +426,18 @@ def half_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", **k
         >>> jaxmp.half_matmul_flop_share(jaxmp.cast_function(f, jnp.float16), w, x)
         1.0
     """
-    return low_precision_share(matmul_flops(fn, *args, platform=platform, **kwargs))
+    return low_precision_share(matmul_flops(fn, *args, platform=platform, target=target, **kwargs))
 
 
-def float8_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any) -> float:
+def float8_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", target: Any = None,
+                             **kwargs: Any) -> float:
     """The share of :func:`matmul_flops` whose operands are both float8 (any float8 formats).
 
-    Returns ``0.0`` for a function with no matrix products.
+    Returns ``0.0`` for a function with no matrix products. Without
+    ``target`` this is the share jaxmp *asks* XLA for; with ``target="h100"``
+    (or ``"b200"``) the share that GPU runs on float8 tensor cores
+    (:func:`jaxmp.gpu_program`), which can be lower: XLA widens the float8
+    operands of some products before running them.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -421,7 +451,7 @@ def float8_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", *
         ...     jaxmp.autocast(f, jnp.bfloat16, matmul_dtype=jnp.float8_e4m3fn), w, x)
         1.0
     """
-    return float8_share(matmul_flops(fn, *args, platform=platform, **kwargs))
+    return float8_share(matmul_flops(fn, *args, platform=platform, target=target, **kwargs))
 
 
 def low_precision_share(totals: dict[str, int]) -> float:

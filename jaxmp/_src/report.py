@@ -150,6 +150,10 @@ class PrecisionReport(NamedTuple):
             ``"custom_rule"`` (not supported); ``where`` is your file and line.
         requested: the precision asked for (``"bfloat16"``, ``"float8"``, or
             ``"half precision"`` when no dtype was given).
+        compiled: with ``precision_report(..., target="h100")``, the
+            :class:`jaxmp.GpuProgram` of the step compiled for that GPU (what it
+            runs: XLA may widen products the rows above count in float8);
+            ``None`` otherwise.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -166,6 +170,7 @@ class PrecisionReport(NamedTuple):
     layers: tuple
     wider: tuple
     requested: str
+    compiled: Any = None
 
     @property
     def totals(self) -> dict:
@@ -207,6 +212,8 @@ class PrecisionReport(NamedTuple):
                                      subsequent_indent="    ")
                 out += textwrap.wrap(f"Fix: {w.fix}.", 96, initial_indent="    ",
                                      subsequent_indent="      ")
+        if self.compiled is not None:
+            out += ["", *_compiled_lines(self.compiled)]
         return "\n".join(out)
 
     def __str__(self) -> str:
@@ -240,6 +247,26 @@ class PrecisionReport(NamedTuple):
         if path is not None:
             fig.savefig(path)
         return fig
+
+
+def _compiled_lines(program) -> list[str]:
+    """What the GPU runs of the step, for :meth:`PrecisionReport.table`."""
+    totals = program.matmul_flops()
+    total = sum(totals.values())
+    lines = [f"On {program.target.description}, as XLA compiles the step (the rows above are "
+             f"the program before XLA): {_count(total)} matrix-product FLOPs, float8 on "
+             f"tensor cores {census._percent(program.float8_native_share)}, half precision "
+             f"{census._percent(diagnostics.low_precision_share(totals) - diagnostics.float8_share(totals))}"]
+    wider: dict = {}
+    for p in program.products:
+        if p.widened or not p.tensor_cores:
+            key = (p.kind, p.how, p.lhs, p.rhs, p.location or p.op_name)
+            wider[key] = wider.get(key, 0) + p.flops * p.runs
+    if wider:
+        lines.append("  Products XLA widened or runs without tensor cores:")
+    for (kind, how, lhs, rhs, where), flops in wider.items():
+        lines.append(f"    {_count(flops)} FLOPs: {kind} as {how} on {lhs} x {rhs} at {where}")
+    return lines
 
 
 def _count(n: int) -> str:
@@ -482,7 +509,8 @@ def _report(closed, compute: np.dtype | None, matmul: np.dtype | None) -> Precis
 
 
 def precision_report(fn: Callable, *args: Any, compute_dtype: Any = None,
-                     matmul_dtype: Any = None, **kwargs: Any) -> PrecisionReport:
+                     matmul_dtype: Any = None, target: Any = None,
+                     **kwargs: Any) -> PrecisionReport:
     """Per layer, the matrix-product FLOPs of a step by dtype, and why some are wider.
 
     ``fn`` (a training step, or a loss) is traced with the given arguments
@@ -514,6 +542,10 @@ def precision_report(fn: Callable, *args: Any, compute_dtype: Any = None,
         matmul_dtype: a float8 dtype when the step runs its products in
             float8 (``autocast(..., matmul_dtype=...)``): products not in
             float8 are then listed.
+        target: ``None``, or a GPU target (``"h100"``, ``"b200"``): the step is
+            also compiled for it (:func:`jaxmp.gpu_program`, no GPU needed, JAX's
+            CUDA plugin needed) and the report says what that GPU runs, which
+            may be wider than the rows (XLA widens some float8 products).
         **kwargs: keyword arguments of ``fn`` (``scaler_state=``...).
 
     Returns:
@@ -546,10 +578,9 @@ def precision_report(fn: Callable, *args: Any, compute_dtype: Any = None,
     if matmul_dtype is not None:
         matmul = float8.check_matmul_dtype(matmul_dtype, compute if compute is not None
                                            else np.dtype("float32"))
-    dynamic, static = casting.partition((args, kwargs), diagnostics._is_dynamic)
-
-    def call(dynamic):
-        call_args, call_kwargs = casting.combine(dynamic, static)
-        return diagnostics._arrays(fn(*call_args, **call_kwargs))
-
-    return _report(jax.make_jaxpr(call)(dynamic), compute, matmul)
+    call, dynamic = diagnostics._array_function(fn, args, kwargs)
+    report = _report(jax.make_jaxpr(call)(dynamic), compute, matmul)
+    if target is None:
+        return report
+    from jaxmp._src import gpu_program  # pylint: disable=import-outside-toplevel
+    return report._replace(compiled=gpu_program.gpu_program(fn, *args, target=target, **kwargs))
