@@ -4,7 +4,14 @@ Both must be set before JAX initialises its backends, so they live here, at
 import time of the test session.
 """
 
-import jax
+import os
+
+# The suite runs on CPU devices. With JAX's CUDA plugin installed (pip install -e
+# ".[gpu-compile]", for the gpu_program tests) and no GPU, the plugin registers its
+# platform for deviceless compilation only under JAX_PLATFORMS=cpu.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402  (after the platform is chosen)
 
 # Multi-device behaviour is tested on CPU with several host devices.
 jax.config.update("jax_num_cpu_devices", 4)

@@ -121,12 +121,13 @@ def build(devices: int, width: int, depth: int, batch: int):
         # autocast=False: the cast-inputs path, whose parameters are cast before the model
         # sees them; autocast=True: jaxmp's default.
         fn = jaxmp.mp_value_and_grad(mlp, reduce_dtype=reduce_dtype, use_mixed_precision=mixed,
-                                     autocast=autocast)
+                                     autocast=autocast, compute_dtype=jnp.float16)
         return jax.jit(lambda p, x, y, s: fn(p, x, y, scaler_state=s)), (params, xs, ys, scaler)
 
     def shard_map_step(gather, reduce_dtype, autocast=False):
         fn = jaxmp.mp_value_and_grad(lambda p, x, y: mlp(p, x, y, gather), axis_name="data",
-                                     reduce_dtype=reduce_dtype, autocast=autocast)
+                                     reduce_dtype=reduce_dtype, autocast=autocast,
+                                         compute_dtype=jnp.float16)
         spec = P("data") if gather else P()
         body = jax.shard_map(lambda p, x, y, s: fn(p, x, y, scaler_state=s), mesh=mesh,
                              in_specs=(spec, P("data"), P("data"), P()),

@@ -147,7 +147,8 @@ def make_step(model: Model, variant: str) -> tuple[Callable, Callable]:
     optimizer = model.optimizer
     matmul_dtype, rules = float8_options(model, variant)
     if variant == "float32":  # the reference: no casts, no scaling
-        grad_fn = jaxmp.mp_value_and_grad(model.loss, use_mixed_precision=False)
+        grad_fn = jaxmp.mp_value_and_grad(model.loss, use_mixed_precision=False,
+                                          compute_dtype=jnp.float16)
     elif rules is None:
         grad_fn = jaxmp.mp_value_and_grad(model.loss, compute_dtype=COMPUTE_DTYPE, autocast=True,
                                           matmul_dtype=matmul_dtype,

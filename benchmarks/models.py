@@ -246,3 +246,206 @@ def plain_vit_loss(params: Params, images: jax.Array, labels: jax.Array, config:
 
 #: The two benchmark models: loss functions ``(params, images, labels, config)``.
 LOSSES = {"vit": vit_loss, "plain_vit": plain_vit_loss}
+
+
+# --- A GPT-style language model and a small ResNet, as experts write them -----------------
+#
+# Written for float32 parameters, with the precautions of a hand-written mixed-precision
+# model built in: layer-norm and batch-norm statistics, the softmax of the attention and
+# the loss are computed in float32 whatever the dtype of the activations, and the result
+# goes back to that dtype. Called with bfloat16 parameters (and inputs), they are the
+# hand-written bfloat16 step of ``benchmarks/gpu_program.py``; called under jaxmp, they
+# are what jaxmp's autocast is given. Parameters are plain pytrees.
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Shapes of a GPT-style decoder (learned positions, pre-norm blocks, causal attention,
+    a GELU MLP of ``4 * width``, an output projection of its own) and of its batch."""
+
+    vocab: int
+    seq: int
+    width: int
+    depth: int
+    heads: int
+    batch: int
+
+
+# The GPT of issue 31's table (2 blocks) and one small enough for tests and --quick runs.
+GPT_2L = GPTConfig(vocab=32768, seq=1024, width=1024, depth=2, heads=16, batch=8)
+GPT_TINY = GPTConfig(vocab=512, seq=64, width=64, depth=1, heads=2, batch=2)
+
+
+def init_gpt(key: jax.Array, config: GPTConfig) -> Params:
+    """Float32 parameters of the GPT of ``config``.
+
+    Examples:
+        >>> import jax
+        >>> params = init_gpt(jax.random.key(0), GPT_TINY)
+        >>> params["embed"].shape, len(params["blocks"])
+        ((512, 64), 1)
+    """
+    if config.width % config.heads:
+        raise ValueError(f"heads must divide width: {config}")
+    keys = jax.random.split(key, config.depth + 3)
+    width = config.width
+    blocks = []
+    for k in keys[3:]:
+        k1, k2, k3, k4 = jax.random.split(k, 4)
+        blocks.append({"norm1": _norm_init(width), "qkv": _dense_init(k1, width, 3 * width),
+                       "out": _dense_init(k2, width, width), "norm2": _norm_init(width),
+                       "mlp1": _dense_init(k3, width, 4 * width),
+                       "mlp2": _dense_init(k4, 4 * width, width)})
+    return {"embed": 0.02 * jax.random.normal(keys[0], (config.vocab, width), jnp.float32),
+            "pos": 0.02 * jax.random.normal(keys[1], (config.seq, width), jnp.float32),
+            "blocks": blocks, "norm": _norm_init(width),
+            "head": _dense_init(keys[2], width, config.vocab)}
+
+
+def _float32_layer_norm(p: Params, x: jax.Array) -> jax.Array:
+    """Layer norm with float32 statistics; the result in ``x``'s dtype."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = ((xf - mean) * jax.lax.rsqrt(var + 1e-5)).astype(x.dtype)
+    return y * p["scale"] + p["bias"]
+
+
+def _causal_attention(p: Params, x: jax.Array, heads: int) -> jax.Array:
+    batch, tokens, width = x.shape
+    head_dim = width // heads
+    qkv = _dense(p["qkv"], x).reshape(batch, tokens, 3, heads, head_dim)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (1.0 / math.sqrt(head_dim))
+    causal = jnp.tril(jnp.ones((tokens, tokens), bool))
+    logits = jnp.where(causal, logits.astype(jnp.float32), -1e9)
+    weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)  # the softmax in float32
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, tokens, width)
+    return _dense(p["out"], out)
+
+
+def gpt_loss(params: Params, tokens: jax.Array, labels: jax.Array, config: GPTConfig) -> jax.Array:
+    """Mean next-token cross-entropy (in float32) of the GPT on int32 ``[B, T]`` tokens.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> params = init_gpt(jax.random.key(0), GPT_TINY)
+        >>> tokens = jnp.zeros((2, 64), jnp.int32)
+        >>> loss = gpt_loss(params, tokens, tokens, GPT_TINY)
+        >>> loss.shape, loss.dtype
+        ((), dtype('float32'))
+    """
+    x = params["embed"][tokens] + params["pos"][: tokens.shape[1]]
+    for block in params["blocks"]:
+        x = x + _causal_attention(block, _float32_layer_norm(block["norm1"], x), config.heads)
+        h = jax.nn.gelu(_dense(block["mlp1"], _float32_layer_norm(block["norm2"], x)))
+        x = x + _dense(block["mlp2"], h)
+    logits = _dense(params["head"], _float32_layer_norm(params["norm"], x))
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # the loss in float32
+    return -jnp.mean(jnp.take_along_axis(log_probs, labels[..., None], axis=-1))
+
+
+def gpt_batch(config: GPTConfig) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """The shapes of a batch: tokens and next-token labels."""
+    shape = jax.ShapeDtypeStruct((config.batch, config.seq), jnp.int32)
+    return shape, shape
+
+
+@dataclasses.dataclass(frozen=True)
+class ResNetConfig:
+    """Shapes of a small ResNet (a 3x3 stem, stages of two basic blocks whose first
+    halves the resolution after the first stage, batch norm on batch statistics, global
+    average pooling, a dense head), NHWC, and of its batch."""
+
+    image_size: int
+    channels: int
+    stages: tuple[int, ...]
+    num_classes: int
+    batch: int
+
+
+# The ResNet of issue 31's table and one small enough for tests and --quick runs.
+RESNET_SMALL = ResNetConfig(image_size=32, channels=3, stages=(64, 128, 256), num_classes=100,
+                            batch=128)
+RESNET_TINY = ResNetConfig(image_size=8, channels=3, stages=(16, 32), num_classes=10, batch=4)
+
+
+def _conv_init(key: jax.Array, size: int, cin: int, cout: int) -> jax.Array:
+    return jax.random.normal(key, (size, size, cin, cout), jnp.float32) * math.sqrt(
+        2.0 / (size * size * cin))
+
+
+def init_resnet(key: jax.Array, config: ResNetConfig) -> Params:
+    """Float32 parameters of the ResNet of ``config``.
+
+    Examples:
+        >>> import jax
+        >>> params = init_resnet(jax.random.key(0), RESNET_TINY)
+        >>> params["stem"]["w"].shape, [len(s) for s in params["stages"]]
+        ((3, 3, 3, 16), [2, 2])
+    """
+    keys = iter(jax.random.split(key, 2 + 6 * len(config.stages)))
+    cin = config.stages[0]
+    params = {"stem": {"w": _conv_init(next(keys), 3, config.channels, cin),
+                       "norm": _norm_init(cin)}, "stages": []}
+    for index, cout in enumerate(config.stages):
+        stage = []
+        for block in range(2):
+            stride = 2 if index > 0 and block == 0 else 1
+            p = {"conv1": _conv_init(next(keys), 3, cin, cout), "norm1": _norm_init(cout),
+                 "conv2": _conv_init(next(keys), 3, cout, cout), "norm2": _norm_init(cout)}
+            if stride != 1 or cin != cout:
+                p["proj"] = _conv_init(next(keys), 1, cin, cout)
+                p["norm_proj"] = _norm_init(cout)
+            stage.append(p)
+            cin = cout
+        params["stages"].append(stage)
+    params["head"] = _dense_init(next(keys), cin, config.num_classes)
+    return params
+
+
+def _conv(x: jax.Array, w: jax.Array, stride: int = 1) -> jax.Array:
+    return jax.lax.conv_general_dilated(x, w, (stride, stride), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def _float32_batch_norm(p: Params, x: jax.Array) -> jax.Array:
+    """Batch norm on the batch's statistics, computed in float32; the result in ``x``'s dtype."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=(0, 1, 2))
+    var = jnp.mean(jnp.square(xf - mean), axis=(0, 1, 2))
+    y = ((xf - mean) * jax.lax.rsqrt(var + 1e-5)).astype(x.dtype)
+    return y * p["scale"] + p["bias"]
+
+
+def resnet_loss(params: Params, images: jax.Array, labels: jax.Array,
+                config: ResNetConfig) -> jax.Array:
+    """Mean cross-entropy (in float32) of the ResNet on ``[B, H, W, C]`` images.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> params = init_resnet(jax.random.key(0), RESNET_TINY)
+        >>> loss = resnet_loss(params, jnp.zeros((4, 8, 8, 3)), jnp.zeros((4,), jnp.int32),
+        ...                    RESNET_TINY)
+        >>> loss.shape, loss.dtype
+        ((), dtype('float32'))
+    """
+    x = jax.nn.relu(_float32_batch_norm(params["stem"]["norm"], _conv(images, params["stem"]["w"])))
+    for index, stage in enumerate(params["stages"]):
+        for block, p in enumerate(stage):
+            stride = 2 if index > 0 and block == 0 else 1
+            y = jax.nn.relu(_float32_batch_norm(p["norm1"], _conv(x, p["conv1"], stride)))
+            y = _float32_batch_norm(p["norm2"], _conv(y, p["conv2"]))
+            if "proj" in p:
+                x = _float32_batch_norm(p["norm_proj"], _conv(x, p["proj"], stride))
+            x = jax.nn.relu(x + y)
+    pooled = jnp.mean(x.astype(jnp.float32), axis=(1, 2)).astype(x.dtype)
+    log_probs = jax.nn.log_softmax(_dense(params["head"], pooled).astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(log_probs, labels[:, None], axis=-1))
+
+
+def resnet_batch(config: ResNetConfig) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """The shapes of a batch: float32 NHWC images and int32 labels."""
+    return (jax.ShapeDtypeStruct((config.batch, config.image_size, config.image_size,
+                                  config.channels), jnp.float32),
+            jax.ShapeDtypeStruct((config.batch,), jnp.int32))

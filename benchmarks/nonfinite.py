@@ -102,7 +102,7 @@ def _timed(fn, *args, **kwargs):
 
 def plain_step_seconds(loss_fn, params, images, labels, repeats: int) -> float:
     """Median seconds of one compiled ``mp_value_and_grad`` + SGD step."""
-    grad_fn = jaxmp.mp_value_and_grad(loss_fn)
+    grad_fn = jaxmp.mp_value_and_grad(loss_fn, compute_dtype=jnp.float16)
 
     @jax.jit
     def step(params, scaler, images, labels):
@@ -123,18 +123,21 @@ def run(filters: int, batch: int, devices: int, repeats: int, modes) -> dict:
     loss_fn, params, images, labels = _setup(filters, batch, None)
     results["step_s"] = plain_step_seconds(loss_fn, params, images, labels, repeats)
     if "default" in modes:
-        seconds, report = _timed(lambda: jaxmp.find_nonfinite(loss_fn)(params, images, labels))
+        seconds, report = _timed(lambda: jaxmp.find_nonfinite(loss_fn,
+                                                              compute_dtype=jnp.float16)(
+                                                                  params, images, labels))
         results["default_s"], results["default_findings"] = seconds, len(report)
     loss_fn, params, images, labels = _setup(filters, batch, "batch")
     if "vmap" in modes:
         find = jaxmp.find_nonfinite(loss_fn, axis_name="batch", mapped=lambda f: jax.vmap(
-            f, in_axes=(None, 0, 0), axis_name="batch"))
+            f, in_axes=(None, 0, 0), axis_name="batch"), compute_dtype=jnp.float16)
         # One example per member: the members' batch dimension is the vmapped one.
         seconds, report = _timed(lambda: find(params, images[:, None], labels[:, None]))
         results["vmap_s"], results["vmap_findings"] = seconds, len(report)
     if "pmap" in modes and jax.device_count() >= devices:
         find = jaxmp.find_nonfinite(loss_fn, axis_name="batch", mapped=lambda f: jax.pmap(
-            f, in_axes=(None, 0, 0), axis_name="batch", devices=jax.devices()[:devices]))
+            f, in_axes=(None, 0, 0), axis_name="batch", devices=jax.devices()[:devices]),
+                compute_dtype=jnp.float16)
         shape = (devices, batch // devices)
         seconds, report = _timed(lambda: find(params, images.reshape(*shape, 32, 32, 3),
                                               labels.reshape(shape)))

@@ -18,6 +18,9 @@ from jaxmp._src.diagnostics import half_matmul_flop_share
 from jaxmp._src.diagnostics import matmul_flops
 from jaxmp._src.diagnostics import saved_activation_bytes
 from jaxmp._src.float8 import Float8Rules
+from jaxmp._src.gpu_program import gpu_program
+from jaxmp._src.gpu_program import GpuProgram
+from jaxmp._src.gpu_program import GpuTarget
 from jaxmp._src.grad import mp_grad
 from jaxmp._src.grad import mp_value_and_grad
 from jaxmp._src.loss_scale import adjust
@@ -66,6 +69,9 @@ __all__ = (
     "float8_matmul_flop_share",
     "force_full_precision",
     "get_policy",
+    "gpu_program",
+    "GpuProgram",
+    "GpuTarget",
     "half_matmul_flop_share",
     "init_scaler",
     "is_float_array",

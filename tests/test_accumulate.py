@@ -33,7 +33,7 @@ def mlp_loss(params, x, y):
 
 
 # One jitted accumulated step shared by the tests (compiled once per scaler settings).
-STEP = jax.jit(jaxmp.accumulate_value_and_grad(mlp_loss, K))
+STEP = jax.jit(jaxmp.accumulate_value_and_grad(mlp_loss, K, compute_dtype=jnp.float16))
 
 
 def make_problem(batch=32, seed=0):
@@ -82,7 +82,8 @@ def test_without_mixed_precision_matches_float32_and_leaves_state_alone():
     params, x, y = make_problem()
     ref_loss, ref_grads = jax.value_and_grad(mlp_loss)(params, x, y)
     state = jaxmp.init_scaler(initial_scale=8.0, growth_interval=1)
-    step = jaxmp.accumulate_value_and_grad(mlp_loss, K, use_mixed_precision=False)
+    step = jaxmp.accumulate_value_and_grad(mlp_loss, K, use_mixed_precision=False,
+                                           compute_dtype=jnp.float16)
     loss, grads, new_state, finite = step(params, x, y, scaler_state=state)
     assert bool(finite)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
@@ -165,12 +166,12 @@ def test_saved_activation_bytes_are_those_of_one_microbatch():
     # In the accumulated step, the backward pass runs inside the scan body: the
     # loop hands back only the float32 gradient sum and k losses, nothing the
     # size of the activations, so at most one micro-batch's residuals are live.
-    step = jaxmp.accumulate_value_and_grad(mlp_loss, K)
+    step = jaxmp.accumulate_value_and_grad(mlp_loss, K, compute_dtype=jnp.float16)
     jaxpr = jax.make_jaxpr(functools.partial(step, scaler_state=jaxmp.init_scaler()))(params, x, y)
     f32_param_bytes = sum(p.size * 4 for p in jax.tree_util.tree_leaves(params))
     assert _scan_output_bytes(jaxpr) == f32_param_bytes + K * 4
     # For contrast, the whole-batch mixed-precision step differentiates outside any loop.
-    whole = jaxmp.mp_value_and_grad(mlp_loss)
+    whole = jaxmp.mp_value_and_grad(mlp_loss, compute_dtype=jnp.float16)
     whole_jaxpr = jax.make_jaxpr(functools.partial(whole, scaler_state=jaxmp.init_scaler()))(
         params, x, y)
     assert not [e for e in whole_jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
@@ -183,7 +184,8 @@ def test_aux_is_stacked_per_microbatch_in_float32():
         loss = mlp_loss(params, x, y)
         return loss, {"batch_mean": jnp.mean(x), "count": jnp.asarray(x.shape[0])}
 
-    step = jaxmp.accumulate_value_and_grad(loss_with_aux, K, has_aux=True)
+    step = jaxmp.accumulate_value_and_grad(loss_with_aux, K, has_aux=True,
+                                           compute_dtype=jnp.float16)
     (loss, aux), _, _, finite = step(params, x, y, scaler_state=jaxmp.init_scaler(2.0**10))
     assert bool(finite)
     assert aux["batch_mean"].shape == (K,) and aux["batch_mean"].dtype == jnp.float32
@@ -217,7 +219,7 @@ def test_multiple_argnums_and_integer_labels():
 
     head = jnp.ones((16, 3)) * 0.1
     ref = jax.grad(loss_fn, argnums=(0, 1))(params["w1"], head, x, labels)
-    step = jaxmp.accumulate_value_and_grad(loss_fn, K, argnums=(0, 1))
+    step = jaxmp.accumulate_value_and_grad(loss_fn, K, argnums=(0, 1), compute_dtype=jnp.float16)
     _, grads, _, finite = step(
         params["w1"], head, x, labels, scaler_state=jaxmp.init_scaler(2.0**10))
     assert bool(finite) and isinstance(grads, tuple)
@@ -232,7 +234,7 @@ def test_equinox_module_is_differentiated_like_filter_grad():
         return jnp.mean((jax.vmap(model)(x)[:, 0] - y) ** 2)
 
     ref = eqx.filter_grad(loss_fn)(model, x, y)
-    step = eqx.filter_jit(jaxmp.accumulate_value_and_grad(loss_fn, K))
+    step = eqx.filter_jit(jaxmp.accumulate_value_and_grad(loss_fn, K, compute_dtype=jnp.float16))
     _, grads, _, finite = step(model, x, y, scaler_state=jaxmp.init_scaler(initial_scale=1024.0))
     assert bool(finite)
     assert_tree_close(eqx.filter(grads, eqx.is_array), eqx.filter(ref, eqx.is_array),
@@ -244,7 +246,8 @@ def test_shard_map_accumulation_equals_full_batch_gradient():
     P = jax.sharding.PartitionSpec
     params, x, y = make_problem(batch=64)
     ref = jax.grad(mlp_loss)(params, x, y)
-    inner = jaxmp.accumulate_value_and_grad(mlp_loss, 2, axis_name="data")
+    inner = jaxmp.accumulate_value_and_grad(mlp_loss, 2, axis_name="data",
+                                            compute_dtype=jnp.float16)
 
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data"), P("data"), P()),
@@ -269,7 +272,7 @@ def test_multisteps_composition_equals_in_step_accumulation():
 
     # Across-call accumulation with optax.MultiSteps: k calls, the k-th applies.
     multi = optax.MultiSteps(inner_opt, every_k_schedule=K)
-    micro_step = jax.jit(jaxmp.mp_value_and_grad(mlp_loss))
+    micro_step = jax.jit(jaxmp.mp_value_and_grad(mlp_loss, compute_dtype=jnp.float16))
     p, opt_state, state = params, multi.init(params), jaxmp.init_scaler(2.0**10)
     xs, ys = x.reshape(K, -1, 8), y.reshape(K, -1)
     for i in range(K):
@@ -287,7 +290,7 @@ def test_multisteps_composition_equals_in_step_accumulation():
 def test_multisteps_window_ignores_an_overflowing_microstep():
     params, x, y = make_problem()
     multi = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=K)
-    micro_step = jax.jit(jaxmp.mp_value_and_grad(mlp_loss))
+    micro_step = jax.jit(jaxmp.mp_value_and_grad(mlp_loss, compute_dtype=jnp.float16))
     xs, ys = x.reshape(K, -1, 8), y.reshape(K, -1)
     poisoned = xs[0].at[0].set(jnp.inf)
     batches = [(xs[0], ys[0]), (xs[1], ys[1]), (poisoned, ys[0]), (xs[2], ys[2]), (xs[3], ys[3])]
@@ -342,7 +345,7 @@ def test_apply_if_finite_inside_optimizer_update_never_gives_up():
 def test_scan_training_loop_with_accumulation():
     params, x, y = make_problem(batch=32 * 6)
     opt = optax.adam(3e-2)
-    step = jaxmp.accumulate_value_and_grad(mlp_loss, K)
+    step = jaxmp.accumulate_value_and_grad(mlp_loss, K, compute_dtype=jnp.float16)
 
     def train(params, xs, ys):
         def body(carry, batch):
@@ -362,30 +365,32 @@ def test_scan_training_loop_with_accumulation():
 def test_num_microbatches_must_be_a_positive_int():
     for bad in (0, -2, 2.0, True):
         with pytest.raises(ValueError, match="num_microbatches must be an int >= 1"):
-            jaxmp.accumulate_value_and_grad(mlp_loss, bad)
+            jaxmp.accumulate_value_and_grad(mlp_loss, bad, compute_dtype=jnp.float16)
 
 
 def test_batch_axis_must_divide_into_microbatches():
     params, x, y = make_problem(batch=30)
-    step = jaxmp.accumulate_value_and_grad(mlp_loss, K)
+    step = jaxmp.accumulate_value_and_grad(mlp_loss, K, compute_dtype=jnp.float16)
     with pytest.raises(ValueError, match=r"divisible by num_microbatches=4; argument 1 has shape "
                                          r"\(30, 8\)"):
         step(params, x, y, scaler_state=jaxmp.init_scaler())
-    step = jaxmp.accumulate_value_and_grad(lambda p, batch: mlp_loss(p, *batch["xy"]), K)
+    step = jaxmp.accumulate_value_and_grad(lambda p, batch: mlp_loss(p, *batch["xy"]), K,
+                                           compute_dtype=jnp.float16)
     with pytest.raises(ValueError, match=r"argument 1 leaf \['xy'\]\[0\] has shape \(30, 8\)"):
         step(params, {"xy": (x, y)}, scaler_state=jaxmp.init_scaler())
 
 
 def test_differentiated_argument_cannot_be_a_batch_argument():
     params, x, y = make_problem()
-    step = jaxmp.accumulate_value_and_grad(mlp_loss, K, batch_argnums=(0, 1))
+    step = jaxmp.accumulate_value_and_grad(mlp_loss, K, batch_argnums=(0, 1),
+                                           compute_dtype=jnp.float16)
     with pytest.raises(ValueError, match=r"in both argnums and batch_argnums"):
         step(params, x, y, scaler_state=jaxmp.init_scaler())
 
 
 def test_there_must_be_a_batch_argument():
     params, _, _ = make_problem()
-    step = jaxmp.accumulate_value_and_grad(lambda p: jnp.sum(p["w1"]), K)
+    step = jaxmp.accumulate_value_and_grad(lambda p: jnp.sum(p["w1"]), K, compute_dtype=jnp.float16)
     with pytest.raises(ValueError, match="no batch argument to split"):
         step(params, scaler_state=jaxmp.init_scaler())
 

@@ -451,7 +451,7 @@ def test_mp_value_and_grad_with_autocast():
     x = 50.0 * jax.random.normal(jax.random.key(1), (8, 16))
     y = jnp.arange(8, dtype=jnp.int32)
     state = jaxmp.init_scaler(initial_scale=2.0**10)
-    step = jax.jit(jaxmp.mp_value_and_grad(_mlp_loss, autocast=True))
+    step = jax.jit(jaxmp.mp_value_and_grad(_mlp_loss, autocast=True, compute_dtype=jnp.float16))
     loss, grads, new_state, finite = step(params, x, y, scaler_state=state)
     ref, ref_grads = jax.value_and_grad(_mlp_loss)(params, x, y)
     assert bool(finite) and int(new_state.steps_since_overflow) == 1

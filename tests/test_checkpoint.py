@@ -37,7 +37,7 @@ def batch(step):
 
 
 OPTIMIZER = optax.adam(1e-2)
-GRAD_FN = jaxmp.mp_value_and_grad(loss_fn)
+GRAD_FN = jaxmp.mp_value_and_grad(loss_fn, compute_dtype=jnp.float16)
 
 
 @jax.jit
@@ -188,3 +188,55 @@ def test_every_setting_survives_a_json_round_trip(make):
     rebuilt = dataclasses.replace(jaxmp.init_scaler(), **settings)
     assert _settings(rebuilt) == _settings(state)
     assert jax.tree_util.tree_structure(rebuilt) == jax.tree_util.tree_structure(state)
+
+
+RECORD = ("longest_skip_run", "alarm_record", "alarm_record_step")
+
+
+def _old_checkpoint(state):
+    """The state dict of ``state`` as jaxmp wrote it before the scaler kept a record of the run."""
+    old = flax.serialization.to_state_dict(state)
+    for name in RECORD:
+        del old[name]
+    return old
+
+
+def test_a_checkpoint_from_before_the_record_loads():
+    # Decided (issue 34): an old checkpoint loads; the record starts from its counters.
+    state = jaxmp.adjust(jaxmp.adjust(jaxmp.init_scaler(hysteresis=3), False), False)
+    blob = flax.serialization.msgpack_serialize(_old_checkpoint(state))
+    restored = flax.serialization.from_bytes(jaxmp.init_scaler(hysteresis=3), blob)
+    assert int(restored.overflow_streak) == 2 and int(restored.longest_skip_run) == 2
+    assert int(restored.alarm_record) == 0 and int(restored.alarm_record_step) == 0
+    assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(state)
+    for name in RECORD:
+        assert getattr(restored, name).dtype == jnp.int32
+    # A stuck alarm in the old checkpoint is on the record of the restored state.
+    stuck = jaxmp.init_scaler(initial_scale=1.0, stuck_after=2, on_stuck="off")
+    stuck = jaxmp.adjust(jaxmp.adjust(stuck, False), False)
+    old = _old_checkpoint(stuck)
+    old["alarm"], old["alarm_step"] = np.asarray(1, np.int32), np.asarray(2, np.int32)
+    restored = flax.serialization.from_state_dict(stuck, old)
+    assert int(restored.alarm_record) == 1 and int(restored.alarm_record_step) == 2
+
+
+def test_an_old_orbax_checkpoint_says_what_is_missing_and_loads_through_flax(tmp_path):
+    state = jaxmp.adjust(jaxmp.init_scaler(), False)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "old", {"scaler": _old_checkpoint(state)})
+    checkpointer.wait_until_finished()
+    with pytest.raises(ValueError, match="alarm_record"):  # orbax names the missing fields
+        checkpointer.restore(tmp_path / "old", {"scaler": jaxmp.init_scaler()})
+    # What docs/checkpoint.md says to do: restore without a target, then build the state.
+    raw = checkpointer.restore(tmp_path / "old")
+    checkpointer.close()
+    restored = flax.serialization.from_state_dict(jaxmp.init_scaler(), raw["scaler"])
+    assert int(restored.skipped_steps) == 1 and float(restored.scale) == 2.0**14
+    assert int(restored.longest_skip_run) == 1
+
+
+def test_a_state_dict_missing_other_fields_is_a_clear_error():
+    old = _old_checkpoint(jaxmp.init_scaler())
+    del old["scale"]
+    with pytest.raises(ValueError, match="missing field\\(s\\) scale. .*holds the array fields"):
+        flax.serialization.from_state_dict(jaxmp.init_scaler(), old)

@@ -88,7 +88,8 @@ def test_find_nonfinite_names_the_line_without_the_private_api(monkeypatch):
     def loss(params, x):
         return jnp.sum(jnp.exp(x * params["w"]))  # overflows in float16
 
-    report = jaxmp.find_nonfinite(loss, autocast=False)({"w": jnp.float32(30.0)}, jnp.ones(4))
+    report = jaxmp.find_nonfinite(loss, autocast=False,
+                                  compute_dtype=jnp.float16)({"w": jnp.float32(30.0)}, jnp.ones(4))
     assert report.findings
     assert "test_compat.py" in str(report), str(report)
 

@@ -66,6 +66,89 @@ def test_a_nested_jit_called_twice_is_counted_twice():
                                   platform=platform) == {"float32": 2 * flops}
 
 
+def _nested_scans(w, xs):
+    def body(c, x):
+        c, _ = jax.lax.scan(lambda c2, y: (c2 + y @ w, None), c, jnp.stack([x, x]))
+        return c @ w, None
+    return jax.lax.scan(body, jnp.ones((2, 4)), xs)[0]
+
+
+ONE = 2 * 2 * 4 * 4  # one (2, 4) @ (4, 4) product
+W, XS = jnp.ones((4, 4)), jnp.ones((5, 2, 4))
+LOOPS = {  # (function, arguments, FLOPs): a loop body counts once per iteration when counted
+    "nested scans": (_nested_scans, (W, XS), 5 * 3 * ONE),
+    "reversed unrolled scan": (lambda w, xs: jax.lax.scan(
+        lambda c, x: (c @ w + x, None), xs[0], xs, reverse=True, unroll=2)[0], (W, XS), 5 * ONE),
+    "fori_loop 2 to 5": (lambda w, xs: jax.lax.fori_loop(2, 5, lambda i, c: c @ w, xs[0]),
+                         (W, XS), 3 * ONE),
+    "fori_loop to a traced bound": (lambda w, xs, n: jax.lax.fori_loop(
+        0, n, lambda i, c: c @ w, xs[0]), (W, XS, jnp.asarray(3)), ONE),
+    "while_loop counting to 3": (lambda w, xs: jax.lax.while_loop(
+        lambda c: 3 > c[0], lambda c: (1 + c[0], c[1] @ w), (0, xs[0]))[1], (W, XS), 3 * ONE),
+    "while_loop by 2": (lambda w, xs: jax.lax.while_loop(
+        lambda c: c[0] < 4, lambda c: (c[0] + 2, c[1] @ w), (0, xs[0]))[1], (W, XS), ONE),
+    "while_loop from 1": (lambda w, xs: jax.lax.while_loop(
+        lambda c: c[0] < 4, lambda c: (c[0] + 1, c[1] @ w), (1, xs[0]))[1], (W, XS), ONE),
+    "gradient of a scan": (jax.grad(lambda w, xs: jax.lax.scan(
+        lambda c, x: (jnp.tanh(c @ w + x), None), xs[0], xs)[0].sum()), (W, XS), 3 * 5 * ONE),
+}
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_flop_tools_agree_on_loops(loop):
+    # Issue 34: matmul_flops counted a scan's body once, precision_report once per iteration.
+    fn, args, flops = LOOPS[loop]
+    assert jaxmp.matmul_flops(fn, *args) == {"float32": flops}
+    assert jaxmp.precision_report(fn, *args).totals == {"float32": flops}
+
+
+def test_flop_shares_agree_on_a_training_run_in_one_jit():
+    # The rollout's forward product runs in float32 outside the jaxmp step, once per step of a
+    # scan of 6; the step's products in bfloat16, in a scan of 3 epochs of 2 minibatches.
+    grad_fn = jaxmp.mp_value_and_grad(lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2),
+                                      compute_dtype=jnp.bfloat16)
+
+    def minibatch(carry, x):
+        w, scaler = carry
+        _, g, scaler, _ = grad_fn(w, x, scaler_state=scaler)
+        return (w - 0.1 * g, scaler), None
+
+    def run(w, x):
+        rollout, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), x, None, length=6)
+        epoch = lambda c, _: jax.lax.scan(minibatch, c, rollout.reshape(2, 4, 8))
+        return jax.lax.scan(epoch, (w, jaxmp.noop_scaler()), None, length=3)[0][0]
+
+    w, x = jnp.ones((8, 8)) / 8, jnp.ones((8, 8))
+    product = 2 * 4 * 8 * 8  # a minibatch's forward product; its backward has one (w's)
+    expected = {"float32": 6 * 2 * 8 * 8 * 8, "bfloat16": 3 * 2 * 2 * product}
+    assert jaxmp.matmul_flops(run, w, x) == expected
+    assert jaxmp.precision_report(run, w, x).totals == expected
+    share = expected["bfloat16"] / sum(expected.values())
+    assert jaxmp.half_matmul_flop_share(run, w, x) == pytest.approx(share)
+
+
+@pytest.mark.filterwarnings("ignore::jaxmp.Float8ShortfallWarning")
+def test_matmul_flops_takes_a_pmapped_step_and_its_outputs():
+    # Issue 34: a pmapped Haiku MXFP8 step's own outputs (placed by pmap) raised "mesh should
+    # be the same across the entire program" in the jit that matmul_flops lowers.
+    import haiku as hk  # pylint: disable=g-import-not-at-top
+
+    net = hk.without_apply_rng(hk.transform(lambda x: hk.nets.MLP([32, 32], name="mlp")(x)))
+    x = jnp.ones((2, 32, 32))  # 32 examples a device: the weight gradients are not padded
+    params = net.init(jax.random.key(0), x[0])
+    grad_fn = jaxmp.mp_value_and_grad(lambda p, x: jnp.mean(net.apply(p, x) ** 2),
+                                      compute_dtype=jnp.bfloat16, axis_name="d",
+                                      matmul_dtype=jnp.float8_e4m3fn, float8_scaling="mxfp8")
+    step = jax.pmap(lambda p, x: grad_fn(p, x, scaler_state=jaxmp.noop_scaler())[1],
+                    axis_name="d", devices=jax.devices()[:2])
+    placed = jax.pmap(lambda t: t, devices=jax.devices()[:2])(
+        (jax.tree.map(lambda a: jnp.stack([a, a]), params), x))
+    flops = 2 * 32 * 32 * 32  # one layer's forward product, per device
+    # Two layers: forward and weight gradient each, and the second layer's input gradient.
+    assert jaxmp.matmul_flops(step, *placed) == {"float8_e4m3fn": 5 * flops}
+    assert jaxmp.matmul_flops(step, *placed, platform="cpu") == {"float8_e4m3fn": 5 * flops}
+
+
 def test_block_scaled_float8_products_are_counted_on_cuda():
     # On CUDA an MXFP8 product is cuDNN's block-scaled dot (a custom call), on CPU float8
     # dot_generals per block: the same FLOPs, forward and backward, under float8 either way.
@@ -97,7 +180,8 @@ def test_half_share_of_a_mixed_training_step():
     params, x = _params(), jnp.ones((8, 16))
 
     def step(params, x, state):
-        return jaxmp.mp_value_and_grad(_mlp_loss)(params, x, scaler_state=state)
+        return jaxmp.mp_value_and_grad(_mlp_loss,
+                                       compute_dtype=jnp.float16)(params, x, scaler_state=state)
 
     state = jaxmp.init_scaler()
     assert jaxmp.half_matmul_flop_share(step, params, x, state) == 1.0

@@ -16,6 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 TEST_COMMAND = 'pip install -e ".[test]" && pytest -n auto'
 SLOW_COMMAND = "pytest -n auto -m slow"
+GPU_PROGRAM_COMMAND = 'pip install -e ".[gpu-compile]" && JAX_PLATFORMS=cpu pytest -n auto -m gpu_program'
 DOCS_COMMAND = 'pip install -e ".[docs]" && sphinx-build -W --keep-going -b html docs docs/_build/html'
 
 # page -> the pages whose code it continues (run first, in this order).
@@ -32,10 +33,14 @@ PAGES = {
     "half_precision_check.md": [],
     "low_precision.md": ["getting_started.md"],
     "float8.md": ["getting_started.md"],
+    "one_jit.md": [],
+    "inference.md": ["getting_started.md"],
+    "index.md": [],
 }
 # Pages whose code a test file of their own runs and checks, as user code (under
 # standard promotion), rather than these tests: page -> that file.
-RUN_BY = {"recipes.md": "test_recipes.py", "precision_report.md": "test_report.py"}
+RUN_BY = {"recipes.md": "test_recipes.py", "precision_report.md": "test_report.py",
+          "gpu_program.md": "test_gpu_program.py"}
 # Pages whose code ends with a gradient step that returned `finite`.
 # Pages that train bfloat16 parameters, with no float32 copy.
 BFLOAT16_PARAMS = {"low_precision.md"}
@@ -55,8 +60,13 @@ def _run(paths):
     return namespace
 
 
+# Pages whose Python blocks are not a program: the API index's signatures (tests/test_api.py
+# checks them against the code).
+NOT_PROGRAMS = {"api/index.md"}
+
+
 def test_every_page_with_python_code_is_run():
-    with_code = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md") if _blocks(p)}
+    with_code = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md") if _blocks(p)} - NOT_PROGRAMS
     assert with_code == set(PAGES) | set(RUN_BY)
     for page, test_file in RUN_BY.items():
         assert page not in PAGES
@@ -105,11 +115,19 @@ def test_the_end_to_end_runs_are_left_out_by_default_and_ci_runs_them():
     import tomllib
 
     addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
-    assert "-m 'not slow'" in addopts["addopts"]
+    assert "-m 'not slow and not gpu_program'" in addopts["addopts"]
     ci = (ROOT / ".ci" / "run").read_text()
     assert ci.index(TEST_COMMAND) < ci.index(SLOW_COMMAND)
     assert SLOW_COMMAND in (ROOT / "README.md").read_text()
     assert SLOW_COMMAND in (DOCS / "development.md").read_text()
+
+
+def test_ci_runs_the_gpu_program_tests_with_the_cuda_plugin():
+    """The gpu_program tests (left out by default: they need JAX's CUDA plugin) run in CI in
+    the newest environment, after the plugin is installed, as the development page says."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert GPU_PROGRAM_COMMAND in ci and GPU_PROGRAM_COMMAND in (DOCS / "development.md").read_text()
+    assert ci.index(SLOW_COMMAND) < ci.index(GPU_PROGRAM_COMMAND) < ci.index("deactivate")
 
 
 def test_readme_docs_command_is_what_ci_runs():

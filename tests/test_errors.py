@@ -25,7 +25,9 @@ def loss_fn(w, x):
 
 @pytest.mark.parametrize("bad", [None, 1024.0, {"scale": 1024.0}], ids=["None", "float", "dict"])
 def test_scaler_state_that_is_not_one(bad):
-    step = jax.jit(lambda w, x: jaxmp.mp_value_and_grad(loss_fn)(w, x, scaler_state=bad))
+    step = jax.jit(lambda w, x: jaxmp.mp_value_and_grad(loss_fn,
+                                                        compute_dtype=jnp.float16)(
+                                                            w, x, scaler_state=bad))
     with pytest.raises(TypeError, match=r"scaler_state must be a jaxmp.ScalerState \(from "
                                         r"jaxmp.init_scaler\(\).*got " + type(bad).__name__):
         step(W, X)
@@ -39,7 +41,7 @@ def test_scaler_state_that_is_not_one_in_the_free_functions():
 
 
 def test_scaler_state_that_is_not_one_in_accumulation():
-    step = jaxmp.accumulate_value_and_grad(loss_fn, 2)
+    step = jaxmp.accumulate_value_and_grad(loss_fn, 2, compute_dtype=jnp.float16)
     with pytest.raises(TypeError, match="scaler_state must be a jaxmp.ScalerState"):
         step(W, X, scaler_state=optax.sgd(0.1).init(W))
 
@@ -47,7 +49,8 @@ def test_scaler_state_that_is_not_one_in_accumulation():
 # --- loss --------------------------------------------------------------------
 
 def test_loss_that_is_not_a_scalar():
-    step = jax.jit(lambda w, x: jaxmp.mp_value_and_grad(lambda w, x: x @ w)(
+    step = jax.jit(lambda w, x: jaxmp.mp_value_and_grad(lambda w, x: x @ w,
+                                                        compute_dtype=jnp.float16)(
         w, x, scaler_state=SCALER))
     with pytest.raises(TypeError, match=r"The loss must be a scalar, got an array of shape "
                                         r"\(4,\)\. Reduce it \(e\.g\. with jnp\.mean\)"):
@@ -55,20 +58,22 @@ def test_loss_that_is_not_a_scalar():
 
 
 def test_loss_that_is_not_floating_point():
-    fn = jaxmp.mp_value_and_grad(lambda w, x: jnp.argmax(x @ w))
+    fn = jaxmp.mp_value_and_grad(lambda w, x: jnp.argmax(x @ w), compute_dtype=jnp.float16)
     with pytest.raises(TypeError, match="The loss must have a floating-point dtype, got int32"):
         fn(W, X, scaler_state=SCALER)
 
 
 def test_loss_that_is_a_tuple_without_has_aux():
-    fn = jaxmp.mp_value_and_grad(lambda w, x: (loss_fn(w, x), {"acc": 1.0}))
+    fn = jaxmp.mp_value_and_grad(lambda w, x: (loss_fn(w, x), {"acc": 1.0}),
+                                 compute_dtype=jnp.float16)
     with pytest.raises(TypeError, match=r"must return a scalar floating-point array \(or a pair "
                                         r"\(loss, aux\) with has_aux=True\), got tuple"):
         fn(W, X, scaler_state=SCALER)
 
 
 def test_has_aux_with_a_function_that_returns_a_bare_scalar():
-    step = jax.jit(lambda w, x: jaxmp.mp_value_and_grad(loss_fn, has_aux=True)(
+    step = jax.jit(lambda w, x: jaxmp.mp_value_and_grad(loss_fn, has_aux=True,
+                                                        compute_dtype=jnp.float16)(
         w, x, scaler_state=SCALER))
     with pytest.raises(TypeError, match=r"With has_aux=True the loss function must return a pair "
                                         r"\(loss, aux\), got a single array of shape \(\); "
@@ -77,7 +82,8 @@ def test_has_aux_with_a_function_that_returns_a_bare_scalar():
 
 
 def test_has_aux_with_a_function_that_returns_a_triple():
-    fn = jaxmp.mp_value_and_grad(lambda w, x: (loss_fn(w, x), 1, 2), has_aux=True)
+    fn = jaxmp.mp_value_and_grad(lambda w, x: (loss_fn(w, x), 1, 2), has_aux=True,
+                                 compute_dtype=jnp.float16)
     with pytest.raises(TypeError, match=r"must return a pair \(loss, aux\), got a tuple of length 3"):
         fn(W, X, scaler_state=SCALER)
 
@@ -85,7 +91,7 @@ def test_has_aux_with_a_function_that_returns_a_triple():
 # --- what is differentiated --------------------------------------------------
 
 def test_no_floating_point_leaves_to_differentiate():
-    fn = jaxmp.mp_value_and_grad(lambda p, x: jnp.mean(x))
+    fn = jaxmp.mp_value_and_grad(lambda p, x: jnp.mean(x), compute_dtype=jnp.float16)
     params = {"step": jnp.arange(3), "name": None}
     with pytest.raises(TypeError, match=r"No floating-point array leaves to differentiate in the "
                                         r"argument\(s\) argnums=0"):
@@ -93,7 +99,7 @@ def test_no_floating_point_leaves_to_differentiate():
 
 
 def test_argnums_out_of_range():
-    fn = jaxmp.mp_value_and_grad(loss_fn, argnums=2)
+    fn = jaxmp.mp_value_and_grad(loss_fn, argnums=2, compute_dtype=jnp.float16)
     with pytest.raises(TypeError, match=r"argnums=2 refers to argument 2, but the function was "
                                         r"called with 2 positional arguments"):
         fn(W, X, scaler_state=SCALER)
@@ -226,7 +232,74 @@ def test_finite_flag_that_is_not_a_scalar_boolean_under_jit():
 # --- accumulation ---------------------------------------------------------
 
 def test_accumulation_batch_not_divisible():
-    step = jaxmp.accumulate_value_and_grad(loss_fn, 3)
+    step = jaxmp.accumulate_value_and_grad(loss_fn, 3, compute_dtype=jnp.float16)
     with pytest.raises(ValueError, match=r"leading batch axis divisible by num_microbatches=3; "
                                          r"argument 1 has shape \(4, 3\)"):
         step(W, X, scaler_state=SCALER)
+
+
+# --- arguments in the wrong place (issue 34) ---------------------------------------
+
+_PARAMS = {"w": jnp.ones(2)}
+_OPT = optax.adam(1e-3)
+_FN = lambda w: jnp.sum(w)  # noqa: E731
+_TRUE = jnp.asarray(True)
+
+MISPLACED = {
+    # optimizer and opt_state swapped: was AttributeError: 'tuple' object has no attribute 'update'
+    "optimizer_update, optimizer and opt_state swapped": (
+        lambda: jaxmp.optimizer_update(_PARAMS, _OPT.init(_PARAMS), _OPT, _PARAMS, _TRUE),
+        TypeError, r"second argument must be the optax optimizer .*got a tuple.*optimizer and "
+                   r"opt_state are swapped.*optimizer_update\(params, optimizer, opt_state"),
+    "optimizer_update, optimizer first": (
+        lambda: jaxmp.optimizer_update(_OPT, _PARAMS, _OPT.init(_PARAMS), _PARAMS, _TRUE),
+        TypeError, r"the parameters come first"),
+    "optimizer_update, grads of other parameters": (
+        lambda: jaxmp.optimizer_update(_PARAMS, _OPT, _OPT.init(_PARAMS), {"v": jnp.ones(2)},
+                                       _TRUE),
+        ValueError, r"grads do not have the structure of params"),
+    "select_tree, the flag last": (
+        lambda: jaxmp.select_tree(_PARAMS, _PARAMS, _TRUE),
+        ValueError, r"select_tree\(pred, on_true, on_false\): pred must be a scalar boolean"),
+    "cast_tree, the dtype first": (
+        lambda: jaxmp.cast_tree(jnp.float16, _PARAMS),
+        ValueError, r"dtype must be a floating-point dtype .*wrong order"),
+    "cast_to_half_precision, the dtype first": (
+        lambda: jaxmp.cast_to_half_precision(jnp.float16, _PARAMS),
+        ValueError, r"wrong order"),
+    "cast_function, the dtype first": (
+        lambda: jaxmp.cast_function(jnp.float16, _FN), ValueError, r"wrong order"),
+    "cast_function, not a function": (
+        lambda: jaxmp.cast_function(_PARAMS, jnp.float16),
+        TypeError, r"jaxmp.cast_function takes a function first"),
+    "force_full_precision, not a function": (
+        lambda: jaxmp.force_full_precision(_PARAMS), TypeError, r"takes a function first"),
+    "autocast, the dtype first": (
+        lambda: jaxmp.autocast(jnp.bfloat16, _FN), ValueError,
+        r"compute_dtype must be a floating-point dtype .*wrong order"),
+    "autocast, not a function": (
+        lambda: jaxmp.autocast(_PARAMS), TypeError, r"jaxmp.autocast takes a function first"),
+    "find_nonfinite, the dtype first": (
+        lambda: jaxmp.find_nonfinite(jnp.float16, _FN), ValueError, r"wrong order"),
+    "matmul_flops, the arguments first": (
+        lambda: jaxmp.matmul_flops(_PARAMS, _FN), TypeError, r"takes a function first"),
+    "precision_report, the arguments first": (
+        lambda: jaxmp.precision_report(_PARAMS, _FN), TypeError, r"takes a function first"),
+    "saved_activation_bytes, the arguments first": (
+        lambda: jaxmp.saved_activation_bytes(_PARAMS, _FN), TypeError, r"takes a function first"),
+    "scaler_for, given a scaler": (
+        lambda: jaxmp.scaler_for(jaxmp.init_scaler()), ValueError, r"got a ScalerState"),
+    "adjust, the flag first": (
+        lambda: jaxmp.adjust(True, jaxmp.init_scaler()), TypeError,
+        r"must be a jaxmp.ScalerState .*got bool"),
+    "low_precision_optimizer, the dtype first": (
+        lambda: jaxmp.low_precision_optimizer(jnp.bfloat16, _OPT), TypeError,
+        r"wraps an optax transformation"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISPLACED))
+def test_arguments_in_the_wrong_place_are_named(case):
+    call, error, message = MISPLACED[case]
+    with pytest.raises(error, match=message):
+        call()

@@ -116,3 +116,22 @@ def test_mixed_precision_step_matches_float32_gradients(precision, rtol):
     error = float(jnp.linalg.norm(flat - ref_flat) / jnp.linalg.norm(ref_flat))
     assert error < rtol, error
     np.testing.assert_allclose(float(loss[0]), float(ref_loss), rtol=rtol)
+
+
+@pytest.mark.slow
+def test_the_getting_started_table_shows_what_compare_computes():
+    """docs/getting_started.md's example table: its saved-activation rows are what the default
+    command computes (``jax.eval_shape``: the same on any machine), and its columns are the
+    command's. (Issue 34: the page said 1388.4 KiB / 1.57x where the run printed 1261.8 / 1.73x.)"""
+    from examples import compare  # pylint: disable=g-import-not-at-top
+
+    page = (ROOT / "docs" / "getting_started.md").read_text()
+    shown = page.split("It prints a table like this one")[1].split("```")[1]
+    _, config = example.parse_args(compare.__doc__, [], precision=("float32",), out="out")
+    memory = {p: compare.saved_activation_bytes(p, config) for p in ("float32", "float16",
+                                                                      "bfloat16")}
+    kib = re.search(r"saved activations per step \(KiB\)\s+(.*)", shown).group(1).split()
+    ratio = re.search(r"saved activations, float32 / this\s+(.*)", shown).group(1).split()
+    assert kib == [f"{memory[p] / 1024:.1f}" for p in ("float32", "float16", "bfloat16")]
+    assert ratio == [f"{memory['float32'] / memory[p]:.2f}x"
+                     for p in ("float32", "float16", "bfloat16")]

@@ -589,7 +589,8 @@ def _overflowing_product(w, x):
 def test_find_nonfinite_names_the_line_of_an_overflowing_float8_product():
     w = jnp.ones((128, 64))
     x = 1e3 * jax.random.uniform(jax.random.key(0), (16, 128), minval=0.5, maxval=1.5)
-    report = jaxmp.find_nonfinite(_overflowing_product, autocast=True, matmul_dtype=E4M3)(w, x)
+    report = jaxmp.find_nonfinite(_overflowing_product, autocast=True, matmul_dtype=E4M3,
+                                  compute_dtype=jnp.float16)(w, x)
     assert report
     first = report.findings[0]
     assert first.phase == "forward" and first.dtype == "float16"

@@ -79,7 +79,8 @@ def test_regression_unscale_uses_the_scale_of_the_backward_pass():
     x, y = _data(jax.random.key(1))
     ref_loss, ref_grads = jax.value_and_grad(_mlp_loss)(params, x, y)
     state = jaxmp.init_scaler(initial_scale=256.0, growth_interval=1)
-    loss, grads, new_state, finite = jaxmp.mp_value_and_grad(_mlp_loss, autocast=False)(
+    loss, grads, new_state, finite = jaxmp.mp_value_and_grad(_mlp_loss, autocast=False,
+                                                             compute_dtype=jnp.float16)(
         params, x, y, scaler_state=state)
     assert bool(finite) and float(new_state.scale) == 512.0  # this step grew the scale
     np.testing.assert_allclose(loss, ref_loss, rtol=2e-2)
@@ -94,7 +95,9 @@ def test_regression_large_loss_with_large_scale_is_not_inf():
         return jnp.sum(w) * 12.0 / w.shape[0]
 
     state = jaxmp.init_scaler(initial_scale=8192.0)
-    loss, grads, state, finite = jaxmp.mp_value_and_grad(loss_fn)(jnp.ones(4), scaler_state=state)
+    loss, grads, state, finite = jaxmp.mp_value_and_grad(loss_fn,
+                                                         compute_dtype=jnp.float16)(
+                                                             jnp.ones(4), scaler_state=state)
     assert float(loss) == 12.0 and bool(finite)
     np.testing.assert_allclose(grads, np.full(4, 3.0), rtol=1e-3)
     assert int(state.skipped_steps) == 0
@@ -105,7 +108,8 @@ def test_overflow_reports_not_finite_and_backs_off():
         return jnp.sum(w * 1000.0)  # gradient 1000 * scale 2**15 overflows float16
 
     state = jaxmp.init_scaler(initial_scale=2.0**15)
-    loss, grads, new_state, finite = jaxmp.mp_value_and_grad(loss_fn, autocast=False)(
+    loss, grads, new_state, finite = jaxmp.mp_value_and_grad(loss_fn, autocast=False,
+                                                             compute_dtype=jnp.float16)(
         jnp.ones(3), scaler_state=state)
     assert not bool(finite)
     assert float(loss) == 3000.0  # the loss itself is still the true loss
@@ -120,7 +124,8 @@ def test_loss_scaling_rescues_gradients_that_underflow_in_float16():
 
     w = jnp.ones(4)
     ref = jax.grad(loss_fn)(w, x)
-    grad_fn = jaxmp.mp_grad(loss_fn, autocast=False)  # the inputs cast to float16
+    grad_fn = jaxmp.mp_grad(loss_fn, autocast=False,
+                            compute_dtype=jnp.float16)  # the inputs cast to float16
     unscaled, _, _ = grad_fn(w, x, scaler_state=jaxmp.static_scaler(1.0))
     scaled, _, _ = grad_fn(w, x, scaler_state=jaxmp.static_scaler(2.0**15))
     assert float(jnp.max(jnp.abs(unscaled))) == 0.0
@@ -155,7 +160,7 @@ def test_aux_comes_back_in_float32_and_state_is_stable_in_scan():
 
 def test_jitted_step_compiles_once():
     traces = []
-    grad_fn = jaxmp.mp_value_and_grad(_mlp_loss)
+    grad_fn = jaxmp.mp_value_and_grad(_mlp_loss, compute_dtype=jnp.float16)
 
     @jax.jit
     def step(params, state, x, y):
@@ -174,12 +179,12 @@ def test_argnums_tuple_and_negative():
         return jnp.sum(a * b) + jnp.sum(c)
 
     a, b, c = jnp.ones(2), jnp.full((2,), 3.0), jnp.ones(2)
-    loss, grads, _, _ = jaxmp.mp_value_and_grad(loss_fn, argnums=(0, 1))(
+    loss, grads, _, _ = jaxmp.mp_value_and_grad(loss_fn, argnums=(0, 1), compute_dtype=jnp.float16)(
         a, b, c, scaler_state=jaxmp.init_scaler(initial_scale=64.0))
     assert isinstance(grads, tuple) and len(grads) == 2
     np.testing.assert_allclose(grads[0], b)
     np.testing.assert_allclose(grads[1], a)
-    _, grads_c, _, _ = jaxmp.mp_value_and_grad(loss_fn, argnums=-1)(
+    _, grads_c, _, _ = jaxmp.mp_value_and_grad(loss_fn, argnums=-1, compute_dtype=jnp.float16)(
         a, b, c, scaler_state=jaxmp.init_scaler(initial_scale=64.0))
     np.testing.assert_allclose(grads_c, np.ones(2))
 
@@ -191,7 +196,8 @@ def test_non_float_leaves_get_none_gradients():
     def loss_fn(p):
         return jnp.sum(p["act"](p["w"])) * p["n"].astype(p["w"].dtype)
 
-    grads, _, finite = jaxmp.mp_grad(loss_fn)(params, scaler_state=jaxmp.init_scaler(initial_scale=1024.0))
+    grads, _, finite = jaxmp.mp_grad(loss_fn, compute_dtype=jnp.float16)(
+        params, scaler_state=jaxmp.init_scaler(initial_scale=1024.0))
     assert bool(finite)
     assert grads["n"] is None and grads["act"] is None and grads["name"] is None
     np.testing.assert_allclose(grads["w"], 2.0 * (1 - np.tanh(1.0) ** 2), rtol=1e-2)
@@ -202,7 +208,8 @@ def test_use_mixed_precision_false_is_plain_float32():
     x, y = _data(jax.random.key(1))
     ref_loss, ref_grads = jax.value_and_grad(_mlp_loss)(params, x, y)
     state = jaxmp.init_scaler()
-    loss, grads, new_state, finite = jaxmp.mp_value_and_grad(_mlp_loss, use_mixed_precision=False)(
+    loss, grads, new_state, finite = jaxmp.mp_value_and_grad(_mlp_loss, use_mixed_precision=False,
+                                                             compute_dtype=jnp.float16)(
         params, x, y, scaler_state=state)
     np.testing.assert_array_equal(loss, ref_loss)
     jax.tree_util.tree_map(np.testing.assert_array_equal, grads, ref_grads)
@@ -218,7 +225,9 @@ def test_mp_grad_return_structure():
         jnp.ones(2), scaler_state=state)
     np.testing.assert_allclose(grads, np.full(2, 2.0))
     assert aux["norm"].dtype == jnp.float32 and bool(finite)
-    grads, new_state, finite = jaxmp.mp_grad(lambda w: jnp.sum(w))(jnp.ones(2), scaler_state=state)
+    grads, new_state, finite = jaxmp.mp_grad(lambda w: jnp.sum(w),
+                                             compute_dtype=jnp.float16)(
+                                                 jnp.ones(2), scaler_state=state)
     np.testing.assert_allclose(grads, np.ones(2))
 
 
@@ -235,14 +244,15 @@ def test_works_under_equinox_filter_jit():
     # eqx.filter_jit binds arguments to inspect.signature: the wrapper must not
     # claim fn's signature, which has no scaler_state.
     eqx = pytest.importorskip("equinox")
-    grad_fn = eqx.filter_jit(jaxmp.mp_value_and_grad(lambda w: jnp.sum(w * w)))
+    grad_fn = eqx.filter_jit(jaxmp.mp_value_and_grad(lambda w: jnp.sum(w * w),
+                                                     compute_dtype=jnp.float16))
     loss, grads, _, finite = grad_fn(jnp.ones(2), scaler_state=jaxmp.init_scaler(initial_scale=8.0))
     assert float(loss) == 2.0 and bool(finite)
     np.testing.assert_allclose(grads, np.full(2, 2.0))
-    grads, _, _ = eqx.filter_jit(jaxmp.mp_grad(lambda w: jnp.sum(w)))(
+    grads, _, _ = eqx.filter_jit(jaxmp.mp_grad(lambda w: jnp.sum(w), compute_dtype=jnp.float16))(
         jnp.ones(2), scaler_state=jaxmp.init_scaler(initial_scale=8.0))
     np.testing.assert_allclose(grads, np.ones(2))
-    assert jaxmp.mp_grad(lambda w: jnp.sum(w)).__name__ == "<lambda>"
+    assert jaxmp.mp_grad(lambda w: jnp.sum(w), compute_dtype=jnp.float16).__name__ == "<lambda>"
 
 
 def test_a_float16_loss_caps_the_scale_below_its_own_overflow():
@@ -253,7 +263,7 @@ def test_a_float16_loss_caps_the_scale_below_its_own_overflow():
 
     w, x = jnp.full((4,), 0.5), jnp.ones((4,))
     state = jaxmp.init_scaler(initial_scale=2.0**14, growth_interval=1)
-    step = jax.jit(jaxmp.mp_value_and_grad(loss_fn, autocast=False))
+    step = jax.jit(jaxmp.mp_value_and_grad(loss_fn, autocast=False, compute_dtype=jnp.float16))
     for _ in range(4):
         loss, grads, state, finite = step(w, x, scaler_state=state)
         assert bool(finite)
@@ -261,7 +271,7 @@ def test_a_float16_loss_caps_the_scale_below_its_own_overflow():
     np.testing.assert_array_equal(np.asarray(grads), np.ones(4))
     # Under autocast the sum runs in float32: the scale grows as configured.
     state = jaxmp.init_scaler(initial_scale=2.0**14, growth_interval=1)
-    step = jax.jit(jaxmp.mp_value_and_grad(loss_fn))
+    step = jax.jit(jaxmp.mp_value_and_grad(loss_fn, compute_dtype=jnp.float16))
     for _ in range(4):
         _, _, state, finite = step(w, x, scaler_state=state)
         assert bool(finite)

@@ -26,7 +26,8 @@ W, X = jnp.linspace(-1.0, 1.0, 3), jnp.linspace(-2.0, 2.0, 12).reshape(4, 3)
 def test_missing_scaler_state_names_the_wrapper_and_how_to_make_one(api):
     fn = WRAPPERS[api](_loss)
     with pytest.raises(TypeError, match=f"The function returned by {api} needs the keyword "
-                                        r"argument scaler_state=.*jaxmp.init_scaler\(\)"):
+                                        r"argument scaler_state=.*"
+                                        r"jaxmp.scaler_for\(compute_dtype\)"):
         fn(W, X)
 
 
@@ -64,7 +65,7 @@ def test_no_cast_argnums_passes_state_uncast_and_matches_float32():
     w = jnp.linspace(-0.5, 0.5, 6).reshape(3, 2)
     stats = {"mean": jnp.asarray([1e-4, 3.0], jnp.float32)}  # 1e-4 is not float16-exact
     fn = jax.jit(jaxmp.mp_value_and_grad(_stateful_loss, has_aux=True, no_cast_argnums=1,
-                                         autocast=False))
+                                         autocast=False, compute_dtype=jnp.float16))
     (loss, new_stats), grads, _, finite = fn(w, stats, X, scaler_state=jaxmp.init_scaler(2.0**10))
     (ref_loss, ref_stats), ref_grads = jax.value_and_grad(_reference, has_aux=True)(w, stats, X)
     assert bool(finite) and new_stats["mean"].dtype == jnp.float32
@@ -77,7 +78,7 @@ def test_accumulate_no_cast_argnums_is_not_split_nor_cast():
     w = jnp.linspace(-0.5, 0.5, 6).reshape(3, 2)
     stats = {"mean": jnp.asarray([1e-4, 3.0], jnp.float32)}  # leading axis 2 == k
     fn = jaxmp.accumulate_value_and_grad(_stateful_loss, 2, has_aux=True, no_cast_argnums=1,
-                                         autocast=False)
+                                         autocast=False, compute_dtype=jnp.float16)
     (loss, new_stats), grads, _, finite = fn(w, stats, X, scaler_state=jaxmp.init_scaler(2.0**10))
     ref_loss, ref_grads = jax.value_and_grad(lambda w: _reference(w, stats, X)[0])(w)
     assert bool(finite)
@@ -95,7 +96,8 @@ def _dropout_loss(w, x, key):
 def test_accumulate_passes_a_single_key_to_every_microbatch(make_key):
     key = make_key(3)
     state = jaxmp.init_scaler(2.0**10)
-    loss, grads, _, finite = jaxmp.accumulate_value_and_grad(_dropout_loss, 2)(
+    loss, grads, _, finite = jaxmp.accumulate_value_and_grad(_dropout_loss, 2,
+                                                             compute_dtype=jnp.float16)(
         W, X, key, scaler_state=state)
     ref_loss, ref_grads = jax.value_and_grad(_dropout_loss)(W, X, key)
     assert bool(finite)
@@ -106,5 +108,6 @@ def test_accumulate_passes_a_single_key_to_every_microbatch(make_key):
 def test_accumulate_error_for_a_non_batch_argument_says_to_use_batch_argnums():
     with pytest.raises(ValueError, match=r"argument 2 has shape \(3,\).*leave it out of "
                                          "batch_argnums"):
-        jaxmp.accumulate_value_and_grad(lambda w, x, c: _loss(w * c, x), 2)(
+        jaxmp.accumulate_value_and_grad(lambda w, x, c: _loss(w * c, x), 2,
+                                        compute_dtype=jnp.float16)(
             W, X, jnp.ones(3), scaler_state=jaxmp.init_scaler())

@@ -325,7 +325,8 @@ def test_scaler_metrics_are_scalars_in_and_out_of_jit():
     state = jaxmp.adjust(jaxmp.init_scaler(initial_scale=4.0), False)
     metrics = jaxmp.scaler_metrics(state)
     assert {k: v.item() for k, v in metrics.items()} == {
-        "loss_scale": 2.0, "skipped_steps": 1, "steps_since_overflow": 0, "overflow_streak": 1}
+        "loss_scale": 2.0, "skipped_steps": 1, "steps_since_overflow": 0, "overflow_streak": 1,
+        "longest_skip_run": 1, "alarm": 0}
     jitted = jax.jit(jaxmp.scaler_metrics)(state)
     assert all(v.shape == () for v in jitted.values())
 
@@ -407,6 +408,97 @@ def test_stuck_inside_scan_warns_once():
                                 jnp.zeros(20, jnp.bool_))
         jax.block_until_ready(final)
     assert len(record) == 1
+
+
+# A run inside one jit: its state comes back once, at the end. ----
+
+def _one_jit_run(state, flags):
+    """``flags`` as the steps of one jitted scan; the final state and the per-step metrics."""
+    def step(s, f):
+        s = jaxmp.adjust(s, f)
+        return s, jaxmp.scaler_metrics(s)
+
+    final, metrics = jax.jit(lambda s, f: jax.lax.scan(step, s, f))(state, jnp.asarray(flags))
+    return jax.block_until_ready(final), metrics
+
+
+def test_a_stuck_period_inside_one_jit_is_said_when_the_state_comes_back():
+    # Stuck for 20 steps, then fine for 30: the returned state's alarm is 0, and before the
+    # record it said nothing (issue 34).
+    flags = [False] * 20 + [True] * 30
+    with pytest.warns(jaxmp.TrainingStuckWarning) as record:
+        final, metrics = _one_jit_run(jaxmp.init_scaler(initial_scale=8.0, stuck_after=4), flags)
+    assert int(final.alarm) == 0 and int(final.skipped_steps) == 20
+    assert int(final.longest_skip_run) == 20 and int(final.alarm_record) == jaxmp_stuck()
+    assert int(final.alarm_record_step) == 4  # 8 -> 4 -> 2 -> 1, then 4 overflows at 1
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "got stuck at step 4" in message and "recovered by step 50" in message
+    assert "longest run of skipped steps in this run: 20" in message
+    # Per step, as outputs of the scan: where it was stuck, and the longest run so far.
+    alarm = np.asarray(metrics["alarm"])
+    assert alarm[3:20].tolist() == [1] * 17 and alarm[:3].sum() == 0 and alarm[20:].sum() == 0
+    assert np.asarray(metrics["longest_skip_run"]).tolist() == list(range(1, 21)) + [20] * 30
+    # The same state seen again (a copy, a later read) says nothing more.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.block_until_ready(jax.jit(lambda s: s)(final))
+        jax.block_until_ready(jaxmp.adjust(final, True))
+
+
+def jaxmp_stuck():
+    from jaxmp._src import loss_scale  # pylint: disable=g-import-not-at-top
+    return loss_scale.STUCK
+
+
+def test_frequent_skips_inside_one_jit_are_said_at_the_end():
+    flags = [i % 2 == 0 for i in range(100)] + [True] * 100
+    with pytest.warns(jaxmp.SkippedStepsWarning) as record:
+        final, _ = _one_jit_run(jaxmp.noop_scaler(), flags)
+    assert int(final.alarm) == 0 and len(record) == 1
+    assert "of the last 64 steps had been skipped" in str(record[0].message)
+
+
+def test_a_stuck_period_said_step_by_step_is_not_said_again_from_the_record():
+    step = jax.jit(jaxmp.adjust)
+    state = jaxmp.init_scaler(initial_scale=2.0, stuck_after=3)
+    with pytest.warns(jaxmp.TrainingStuckWarning) as record:
+        for f in [False] * 6 + [True] * 6:
+            state = step(state, jnp.asarray(f))
+        jax.block_until_ready(state)
+        from jaxmp._src import host  # pylint: disable=g-import-not-at-top
+        host.flush()
+    assert len(record) == 1 and "training is stuck" in str(record[0].message)
+    assert int(state.alarm) == 0 and int(state.alarm_record) != 0
+
+
+def test_the_record_raises_with_on_stuck_raise_and_is_silent_with_off():
+    flags = [False] * 12 + [True] * 5
+    with pytest.raises(jaxmp.TrainingStuckError, match="got stuck at step"):
+        _one_jit_run(jaxmp.init_scaler(initial_scale=2.0, stuck_after=3, on_stuck="raise"), flags)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        final, _ = _one_jit_run(jaxmp.init_scaler(initial_scale=2.0, stuck_after=3,
+                                                  on_stuck="off"), flags)
+    assert int(final.alarm_record) == 0 and int(final.longest_skip_run) == 12
+
+
+@pytest.mark.parametrize("kind", sorted(ALL_STATES))
+def test_the_record_round_trips(kind):
+    state = ALL_STATES[kind]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for f in [False] * 12 + [True] * 3:
+            state = jaxmp.adjust(state, f)
+    record = (state.longest_skip_run, state.alarm_record, state.alarm_record_step)
+    assert int(record[0]) == 12
+    flat, treedef = jax.tree_util.tree_flatten(state)
+    for s in (jax.tree_util.tree_unflatten(treedef, flat), jax.jit(lambda s: s)(state),
+              jax.lax.scan(lambda c, _: (c, None), state, None, length=2)[0],
+              serialization.from_bytes(ALL_STATES[kind](), serialization.to_bytes(state))):
+        assert [int(x) for x in (s.longest_skip_run, s.alarm_record, s.alarm_record_step)] == [
+            int(x) for x in record]
+        _assert_same_type(s, state)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -103,6 +103,32 @@ def test_inject_hyperparams_keeps_the_learning_rate_in_float32():
     assert float(state.inner.hyperparams["learning_rate"]) == float(np.float32(3e-4))
 
 
+def test_the_state_forwards_reads_of_the_wrapped_states_fields():
+    # Issue 34: nanodo reads state.opt_state.gradient_step (optax.MultiSteps); the wrapper hid it.
+    params, grads = _params(), _grads(_params())
+    multi = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2)
+    wrapped = jaxmp.low_precision_optimizer(multi)
+    plain_state, state = multi.init(jaxmp.cast_to_float32(params)), wrapped.init(params)
+    plain_update, update = jax.jit(multi.update), jax.jit(wrapped.update)
+    with jax.numpy_dtype_promotion("standard"):  # optax's own arithmetic needs it
+        for _ in range(3):
+            _, plain_state = plain_update(jaxmp.cast_to_float32(grads), plain_state,
+                                          jaxmp.cast_to_float32(params))
+            _, state = update(grads, state, params)
+    assert int(state.gradient_step) == int(plain_state.gradient_step) == 1
+    assert int(state.mini_step) == int(plain_state.mini_step) == 1
+    assert bool(multi.has_updated(state)) == bool(multi.has_updated(plain_state))
+    # A schedule's count and inject_hyperparams' hyperparameters, through jit too.
+    tx = jaxmp.low_precision_optimizer(optax.inject_hyperparams(optax.adam)(learning_rate=3e-4))
+    state = jax.jit(lambda s: tx.update(grads, s, params)[1])(tx.init(params))
+    assert int(state.count) == 1
+    assert float(state.hyperparams["learning_rate"]) == pytest.approx(3e-4)
+    # The fields of the wrapper itself come first; a name neither has says both.
+    assert state.key is not None and state.inner.count is state.count
+    with pytest.raises(AttributeError, match="nor has the state of the optimizer it wraps"):
+        _ = state.gradient_step
+
+
 def test_inner_update_runs_in_float32_on_narrowed_state():
     # float32 parameters, bfloat16 state: the updates are those of float32 Adam run
     # on moments rounded to bfloat16 between steps (the reference, written out).

@@ -7,6 +7,8 @@ parameters and state, and that a skipped (non-finite) step leaves everything
 bit for bit as it was.
 """
 
+import functools
+
 import equinox as eqx
 import flax.linen as nn
 import haiku as hk
@@ -138,6 +140,32 @@ def test_haiku_batchnorm_state_keeps_the_dtype_it_was_initialised_in(init_dtype)
     _assert_bitwise(after[:3], (params, state, opt_state))
 
 
+def test_haiku_state_cast_by_the_user_comes_back_in_its_dtype():
+    # Issue 34: a float32 BatchNorm state the user cast to bfloat16, passed without
+    # no_cast_argnums, came back float32 from the step and select_tree refused it.
+    x, y = _images()
+    params, state32 = _haiku.init(jax.random.key(0), x, True)
+    params, state = jaxmp.cast_to_bfloat16((params, state32))
+    tx = jaxmp.low_precision_optimizer(optax.adam(LR), param_rounding="nearest")
+    grad_fn = jaxmp.mp_value_and_grad(_haiku_loss, has_aux=True, compute_dtype=jnp.bfloat16)
+
+    @functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+    def step(params, state, opt_state):
+        (_, new_state), grads, _, finite = grad_fn(params, state, x, y,
+                                                   scaler_state=jaxmp.noop_scaler())
+        params, opt_state = jaxmp.optimizer_update(params, tx, opt_state, grads, finite)
+        return params, jaxmp.select_tree(finite, new_state, state), opt_state
+
+    with jax.numpy_dtype_promotion("standard"):  # Haiku's moving averages need it
+        _, new_state, _ = step(params, state, tx.init(params))
+        _, reference = jax.jit(_haiku.apply, static_argnums=4)(
+            jaxmp.cast_to_float32(params), state32, None, x, True)
+    assert _dtypes(new_state) == {BF16}
+    for got, want in zip(jax.tree_util.tree_leaves(new_state),
+                         jax.tree_util.tree_leaves(reference)):
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0.02, atol=1e-3)
+
+
 def test_no_cast_state_comes_back_in_its_own_dtype_and_other_aux_in_float32():
     state = {"mean": jnp.zeros(4, jnp.bfloat16), "count": jnp.zeros((), jnp.int32)}
 
@@ -153,7 +181,12 @@ def test_no_cast_state_comes_back_in_its_own_dtype_and_other_aux_in_float32():
     assert new["mean"].dtype == BF16 and new["count"].dtype == jnp.int32
     assert extra["h"].dtype == F32 and grads.dtype == BF16 and bool(finite)
     assert np.asarray(new["mean"], np.float32).tolist() == [float(jnp.bfloat16(0.3))] * 4
-    # Without a matching state (no no_cast_argnums), every floating aux leaf is float32.
+    # Without no_cast_argnums, the state (an argument not differentiated) comes back the same.
+    (_, (new2, extra2)), _, _, _ = jaxmp.mp_value_and_grad(
+        loss_fn, has_aux=True, compute_dtype=jnp.bfloat16)(
+            w, state, x, scaler_state=jaxmp.noop_scaler())
+    assert new2["mean"].dtype == BF16 and extra2["h"].dtype == F32
+    # Without a matching state, every floating aux leaf is float32.
     out = kernel.returned_state_dtypes({"mean": new["mean"]}, [])
     assert out["mean"].dtype == F32
     # A state whose shapes differ is not taken for the one passed in.

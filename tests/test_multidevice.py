@@ -37,7 +37,8 @@ def mesh():
 
 
 def _train_step(params, opt_state, scaler, x, y, opt, axis_name=None):
-    loss, grads, scaler, finite = jaxmp.mp_value_and_grad(_loss, axis_name=axis_name)(
+    loss, grads, scaler, finite = jaxmp.mp_value_and_grad(_loss, axis_name=axis_name,
+                                                          compute_dtype=jnp.float16)(
         params, x, y, scaler_state=scaler)
     params, opt_state = jaxmp.optimizer_update(params, opt, opt_state, grads, finite)
     return params, opt_state, scaler, loss, finite
@@ -69,7 +70,8 @@ def _per_device(mesh, x, y, params, scaler):
     """Runs mp_value_and_grad in shard_map and returns every device's copy of the results."""
 
     def body(params, x, y, scaler):
-        loss, grads, new, finite = jaxmp.mp_value_and_grad(_loss, axis_name="data")(
+        loss, grads, new, finite = jaxmp.mp_value_and_grad(_loss, axis_name="data",
+                                                           compute_dtype=jnp.float16)(
             params, x, y, scaler_state=scaler)
         add = lambda t: jax.tree_util.tree_map(lambda v: v[None], t)
         return add(loss), add(grads), add(new), add(finite)
@@ -114,7 +116,8 @@ def test_pmap_with_axis_name(mesh):
     scaler = jaxmp.init_scaler(initial_scale=2.0**10)
 
     def body(x, y):
-        return jaxmp.mp_value_and_grad(_loss, axis_name="data")(params, x, y, scaler_state=scaler)
+        return jaxmp.mp_value_and_grad(_loss, axis_name="data",
+                                       compute_dtype=jnp.float16)(params, x, y, scaler_state=scaler)
 
     _, _, new, finite = jax.pmap(body, axis_name="data")(xs, ys)
     assert np.asarray(finite).tolist() == [False] * NUM
@@ -257,7 +260,8 @@ def test_shard_map_overflow_in_one_model_shard_skips_on_every_device(mesh2d):
     scaler = jaxmp.init_scaler(initial_scale=2.0**15)
 
     def body(params, x, y, scaler):
-        loss, grads, new, finite = jaxmp.mp_value_and_grad(loss_fn, axis_name="data")(
+        loss, grads, new, finite = jaxmp.mp_value_and_grad(loss_fn, axis_name="data",
+                                                           compute_dtype=jnp.float16)(
             params, x, y, scaler_state=scaler)
         alone = jaxmp.all_finite(grads)
         add = lambda t: jax.tree_util.tree_map(lambda v: v[None], t)
@@ -278,7 +282,8 @@ def test_shard_map_opt_out_gives_per_device_gradients(mesh):
     scaler = jaxmp.init_scaler(initial_scale=2.0**10)
 
     def body(params, x, y, scaler):
-        loss, grads, new, finite = jaxmp.mp_value_and_grad(_loss, axis_name=())(
+        loss, grads, new, finite = jaxmp.mp_value_and_grad(_loss, axis_name=(),
+                                                           compute_dtype=jnp.float16)(
             params, x, y, scaler_state=scaler)
         add = lambda t: jax.tree_util.tree_map(lambda v: v[None], t)
         return add(loss), add(grads), new, finite
@@ -301,7 +306,8 @@ def test_shard_map_without_vma_checks_is_still_data_parallel(mesh):
     scaler = jaxmp.init_scaler(initial_scale=2.0**10)
 
     def body(params, x, y, scaler):
-        return jaxmp.mp_value_and_grad(_loss, axis_name="data")(params, x, y, scaler_state=scaler)
+        return jaxmp.mp_value_and_grad(_loss, axis_name="data",
+                                       compute_dtype=jnp.float16)(params, x, y, scaler_state=scaler)
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data"), P("data"), P()),
                        out_specs=P(), check_vma=False)
@@ -341,13 +347,14 @@ def test_shard_map_misuse_of_axis_name_raises_at_trace_time(mesh, make):
 
 def test_reduce_dtype_is_validated_and_used(mesh):
     with pytest.raises(ValueError, match="reduce_dtype"):
-        jaxmp.mp_value_and_grad(_loss, reduce_dtype=jnp.int32)
+        jaxmp.mp_value_and_grad(_loss, reduce_dtype=jnp.int32, compute_dtype=jnp.float16)
     params, x, y = _setup()
     scaler = jaxmp.init_scaler(initial_scale=2.0**10)
 
     def all_reduce_types(reduce_dtype):
         def body(params, x, y, scaler):
-            return jaxmp.mp_value_and_grad(_loss, axis_name="data", reduce_dtype=reduce_dtype)(
+            return jaxmp.mp_value_and_grad(_loss, axis_name="data", reduce_dtype=reduce_dtype,
+                                           compute_dtype=jnp.float16)(
                 params, x, y, scaler_state=scaler)[1]
 
         fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data"), P("data"), P()),
@@ -393,7 +400,8 @@ def test_jit_named_sharding_matches_float32_reference(layout):
     params, x, y = _tp_setup()
     mask = jnp.zeros((8, 8))
     scaler = jaxmp.init_scaler(initial_scale=2.0**10)
-    step = jax.jit(lambda p, x, y, s: jaxmp.mp_value_and_grad(_masked_loss)(
+    step = jax.jit(lambda p, x, y, s: jaxmp.mp_value_and_grad(_masked_loss,
+                                                              compute_dtype=jnp.float16)(
         p, x, y, mask, scaler_state=s))
     loss, grads, _, finite = step(put_params(params), put_batch(x), put_batch(y), scaler)
     _assert_close_to_reference(loss, grads, params, x, y)
@@ -414,7 +422,8 @@ def test_jit_named_sharding_single_element_overflow_skips_bit_for_bit(layout):
     @jax.jit
     def train_step(params, opt_state, scaler, x, y):
         # The cast path: a float16 matrix product overflows one element.
-        loss, grads, scaler, finite = jaxmp.mp_value_and_grad(_masked_loss, autocast=False)(
+        loss, grads, scaler, finite = jaxmp.mp_value_and_grad(_masked_loss, autocast=False,
+                                                              compute_dtype=jnp.float16)(
             params, x, y, mask, scaler_state=scaler)
         params, opt_state = jaxmp.optimizer_update(params, opt, opt_state, grads, finite)
         return params, opt_state, scaler, finite, grads
@@ -441,10 +450,12 @@ def _collective_types(hlo, op, shape):
     return {t for head in heads for t in re.findall(r"(\w+)\[" + shape + r"\]", head)}
 
 
-@pytest.mark.parametrize("make", [
-    lambda **o: jaxmp.mp_value_and_grad(_full_loss, **o),
-    lambda **o: jaxmp.mp_value_and_grad(_full_loss, autocast=True, **o),  # products in remat
-    lambda **o: jaxmp.accumulate_value_and_grad(_full_loss, 2, **o),  # products in a scan
+@pytest.mark.parametrize("make", [  # float16: the test reads float16 all-reduces
+    lambda **o: jaxmp.mp_value_and_grad(_full_loss, compute_dtype=jnp.float16, **o),
+    lambda **o: jaxmp.mp_value_and_grad(_full_loss, compute_dtype=jnp.float16, autocast=True,
+                                        **o),  # products in remat
+    lambda **o: jaxmp.accumulate_value_and_grad(_full_loss, 2, compute_dtype=jnp.float16,
+                                                **o),  # products in a scan
 ], ids=["plain", "autocast", "accumulate"])
 def test_jit_reduce_dtype_moves_xla_all_reduce_to_float32(make):
     _, put_params, put_batch = _jit_layout("data_parallel")
@@ -480,7 +491,7 @@ def test_shard_map_fsdp_reduce_dtype_moves_reduce_scatter_to_float32(mesh, autoc
         def body(p, x, y, s, rd=rd):
             # Both paths gather the shards in float16 (autocast narrows before the gather).
             return jaxmp.mp_value_and_grad(_fsdp_loss, axis_name="data", reduce_dtype=rd,
-                                           autocast=autocast)(
+                                           autocast=autocast, compute_dtype=jnp.float16)(
                 p, x, y, scaler_state=s)[1]
 
         fn = jax.shard_map(body, mesh=mesh, in_specs=(FSDP_SPECS, P("data"), P("data"), P()),
@@ -531,7 +542,8 @@ def test_shard_map_pure_tensor_parallel_with_axis_name_model():
     scaler = jaxmp.init_scaler(initial_scale=2.0**10)
 
     def body(params, x, y, scaler):
-        return jaxmp.mp_value_and_grad(_tp_loss, axis_name="model")(params, x, y,
+        return jaxmp.mp_value_and_grad(_tp_loss, axis_name="model",
+                                       compute_dtype=jnp.float16)(params, x, y,
                                                                     scaler_state=scaler)
 
     fn = jax.shard_map(body, mesh=model_mesh, in_specs=(TP_SPECS, P(), P(), P()),
@@ -578,7 +590,7 @@ def _layout_step(layout, mesh, mesh2d, autocast):
         return {k: jax.device_put(v, NamedSharding(m, specs[k])) for k, v in tree.items()}
 
     if layout == "jit_named_sharding_fsdp":
-        fn = jaxmp.mp_value_and_grad(_full_loss, autocast=autocast)
+        fn = jaxmp.mp_value_and_grad(_full_loss, autocast=autocast, compute_dtype=jnp.float16)
         batch = {"x": P("data"), "y": P("data")}
         data = put_tree({"x": x, "y": y}, batch, mesh)
         args = (put_tree(params, FSDP_SPECS, mesh), data["x"], data["y"], scaler)
@@ -586,7 +598,8 @@ def _layout_step(layout, mesh, mesh2d, autocast):
         return step.lower(*args).compile().as_text()
     m, loss, specs = ((mesh, _fsdp_loss, FSDP_SPECS) if layout == "shard_map_fsdp"
                       else (mesh2d, _fsdp_tp_loss, FSDP_TP_SPECS))
-    fn = jaxmp.mp_value_and_grad(loss, axis_name="data", autocast=autocast)
+    fn = jaxmp.mp_value_and_grad(loss, axis_name="data", autocast=autocast,
+                                 compute_dtype=jnp.float16)
     body = jax.shard_map(lambda p, x, y, s: fn(p, x, y, scaler_state=s), mesh=m,
                          in_specs=(specs, P("data"), P("data"), P()),
                          out_specs=(P(), specs, P(), P()))
@@ -620,7 +633,7 @@ def test_a_gathered_value_that_reaches_float32_work_is_gathered_wide(mesh):
     params, x, y = _tp_setup()
     params = {"w1": params["w1"]}
     specs = {"w1": P("data", None)}
-    fn = jaxmp.mp_value_and_grad(loss, axis_name="data")
+    fn = jaxmp.mp_value_and_grad(loss, axis_name="data", compute_dtype=jnp.float16)
     body = jax.shard_map(lambda p, x, y, s: fn(p, x, y, scaler_state=s)[0], mesh=mesh,
                          in_specs=(specs, P("data"), P("data"), P()), out_specs=P())
     hlo = jax.jit(body).lower(params, x, y, jaxmp.init_scaler()).compile().as_text()
@@ -638,7 +651,7 @@ def test_tensor_parallel_forward_sums_once_in_the_dtype_chosen(mesh2d):
     params = {k: jax.device_put(v, NamedSharding(mesh2d, FSDP_TP_SPECS[k]))
               for k, v in params.items()}
     for loss, dtype in ((_fsdp_tp_loss, "f16"), (wide, "f32")):
-        fn = jaxmp.mp_value_and_grad(loss, axis_name="data")
+        fn = jaxmp.mp_value_and_grad(loss, axis_name="data", compute_dtype=jnp.float16)
         body = jax.shard_map(lambda p, x, y, s, fn=fn: fn(p, x, y, scaler_state=s), mesh=mesh2d,
                              in_specs=(FSDP_TP_SPECS, P("data"), P("data"), P()),
                              out_specs=(P(), FSDP_TP_SPECS, P(), P()))

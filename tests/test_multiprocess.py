@@ -78,7 +78,8 @@ def train(process_index: int, process_count: int) -> dict[str, np.ndarray]:
 
     def make_step(loss_fn, axis_name, **options):
         def step(params, opt_state, scaler, x, y):
-            loss, grads, scaler, finite = jaxmp.mp_value_and_grad(loss_fn, axis_name=axis_name, **options)(
+            loss, grads, scaler, finite = jaxmp.mp_value_and_grad(
+                loss_fn, axis_name=axis_name, compute_dtype=jnp.float16, **options)(
                 params, x, y, scaler_state=scaler)
             params, opt_state = jaxmp.optimizer_update(params, opt, opt_state, grads, finite)
             return params, opt_state, scaler, loss, finite

@@ -327,6 +327,30 @@ def test_padding_and_per_tensor_convolutions_are_reported():
     assert ["padded" in str(c.message) for c in caught] == [True]
 
 
+def test_the_padding_figure_is_the_flop_tools_figure():
+    # Issue 34: on a VAE the warning said 17% and matmul_flops 18.9%: the warning counted the
+    # gradient of the data (the first layer's input gradient), which no step computes.
+    def loss(p, x):
+        h = jnp.tanh(x @ p["w1"])  # contracts 40 (padded to 64); x is not differentiated
+        return jnp.mean((h @ p["w2"] - x[:, :24]) ** 2)  # h's gradient: contracts 24
+
+    p, x = {"w1": jnp.ones((40, 24)), "w2": jnp.ones((24, 24))}, jnp.ones((48, 40))
+
+    def step(recipe):
+        grad_fn = jaxmp.mp_value_and_grad(loss, compute_dtype=jnp.bfloat16, matmul_dtype=E4M3,
+                                          float8_scaling=recipe)
+        return lambda p, x: grad_fn(p, x, scaler_state=jaxmp.noop_scaler())
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        padded = sum(jaxmp.matmul_flops(step("mxfp8"), p, x).values())
+    said = [str(c.message) for c in caught if "pads contracting" in str(c.message)]
+    assert len(said) == 1, said
+    exact = sum(jaxmp.matmul_flops(step("tensor"), p, x).values())
+    assert padded > exact
+    assert f"{padded / exact - 1:.1%} more float8 matrix-product FLOPs" in said[0]
+
+
 def test_convolutions_keep_the_per_tensor_product():
     k, images = _rows((4, 3, 3, 3), 21), _rows((2, 3, 8, 8), 22)
     loss = lambda k, images: jnp.sum(jax.lax.conv(images, k, (1, 1), "SAME") ** 2)
@@ -367,7 +391,8 @@ def test_find_nonfinite_checks_the_mxfp8_step():
     w = jnp.ones((64, 32))
     big = 1e3 * jax.random.uniform(jax.random.key(0), (8, 64), minval=0.5, maxval=1.5)
     loss = lambda w, x: jnp.mean(jnp.tanh((x @ w) / 1e4))  # x @ w is about 6.4e4 .. 9.6e4
-    report = jaxmp.find_nonfinite(loss, matmul_dtype=E4M3, float8_scaling="mxfp8")(w, big)
+    report = jaxmp.find_nonfinite(loss, matmul_dtype=E4M3, float8_scaling="mxfp8",
+                                  compute_dtype=jnp.float16)(w, big)
     first = report.findings[0]
     assert (first.phase, first.kind, first.dtype) == ("forward", "overflow", "float16")
     assert "test_mxfp8.py" in first.where and first.float32_max > 65504

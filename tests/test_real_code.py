@@ -59,7 +59,7 @@ def test_casting_the_inputs_says_it_computes_in_float32(pattern):
 
 def test_the_float32_warning_is_said_once_per_gradient_function():
     loss, args = PATTERNS["linen_dtype_float32"]()
-    grad_fn = jax.jit(jaxmp.mp_value_and_grad(loss, autocast=False))
+    grad_fn = jax.jit(jaxmp.mp_value_and_grad(loss, autocast=False, compute_dtype=jnp.float16))
     scaler = jaxmp.init_scaler()
     with pytest.warns(jaxmp.MostlyFloat32Warning):
         grad_fn(*args, scaler_state=scaler)
@@ -72,8 +72,9 @@ def test_the_float32_warning_is_said_once_per_gradient_function():
 def test_equinox_noise_with_cast_inputs_fails_clearly_and_autocast_trains():
     loss, args = PATTERNS["equinox_noise_then_conv"]()
     with pytest.raises(TypeError):
-        jaxmp.mp_value_and_grad(loss, autocast=False)(*args, scaler_state=jaxmp.init_scaler())
-    _, grads, _, finite = jax.jit(jaxmp.mp_value_and_grad(loss))(
+        jaxmp.mp_value_and_grad(loss, autocast=False,
+                                compute_dtype=jnp.float16)(*args, scaler_state=jaxmp.init_scaler())
+    _, grads, _, finite = jax.jit(jaxmp.mp_value_and_grad(loss, compute_dtype=jnp.float16))(
         *args, scaler_state=jaxmp.init_scaler())
     assert bool(finite) and grads.weight.dtype == jnp.float32
 

@@ -107,6 +107,29 @@ def test_a_batch_captured_by_a_closure_is_named_so():
     assert stem.reason == "user" and "captured by a closure" in stem.says
 
 
+def test_products_outside_the_jaxmp_function_are_named_so():
+    # Issue 34: the rollout's policy forward, beside the loss of mp_value_and_grad in a PPO
+    # step, was blamed on a dtype=jnp.float32 layer with the fix "run the step under autocast".
+    grad_fn = jaxmp.mp_value_and_grad(_loss, compute_dtype=jnp.bfloat16)
+
+    def step(params, x):
+        with jax.named_scope("rollout"):
+            acted = _MODEL.apply(params, x)  # outside the loss: as written, float32
+        _, grads, _, _ = grad_fn(params, x * jnp.sum(acted), scaler_state=jaxmp.noop_scaler())
+        return grads
+
+    report = jaxmp.precision_report(step, _PARAMS, _X, compute_dtype=jnp.bfloat16)
+    outside = [w for w in report.wider if w.layer.startswith("rollout")]
+    assert outside and {w.reason for w in report.wider} == {"outside"}
+    assert {w.phase for w in outside} == {"forward"}
+    assert all("outside the functions jaxmp runs under autocast" in w.says for w in outside)
+    assert all("jaxmp.autocast(fn, compute_dtype)" in w.fix and "run the step under autocast"
+               not in w.fix for w in outside)
+    # Its layers' products inside the loss run in bfloat16: only the rollout is listed.
+    assert sum(w.flops for w in report.wider) == report.totals["float32"]
+    assert "outside the functions jaxmp runs" in str(report)
+
+
 def test_float8_products_kept_by_the_rules_are_reported_as_kept():
     step = _step(_float8_loss())
     report = jaxmp.precision_report(step, _PARAMS, _X, compute_dtype=jnp.bfloat16,

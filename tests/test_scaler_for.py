@@ -47,3 +47,45 @@ def test_settings_are_checked_whatever_the_dtype(dtype):
         jaxmp.scaler_for(dtype, backoff_factor=2.0)
     with pytest.raises(TypeError, match="growth_intervall"):
         jaxmp.scaler_for(dtype, growth_intervall=200)
+
+
+# One default compute dtype, and a word when a dynamic scaler meets it. ---------------------
+
+def test_every_function_has_the_same_default_compute_dtype():
+    # Issue 34: autocast defaulted to bfloat16, mp_value_and_grad and find_nonfinite to float16.
+    import inspect  # pylint: disable=g-import-not-at-top
+
+    functions = (jaxmp.autocast, jaxmp.mp_value_and_grad, jaxmp.accumulate_value_and_grad,
+                 jaxmp.find_nonfinite)
+    defaults = {f.__name__: inspect.signature(f).parameters["compute_dtype"].default
+                for f in functions}
+    assert set(defaults.values()) == {jnp.bfloat16}, defaults
+    # mp_grad passes its options on: the same default.
+    grad_fn = jaxmp.mp_grad(lambda w, x: jnp.sum(x @ w))
+    jaxpr = str(jax.make_jaxpr(lambda w, x: grad_fn(w, x, scaler_state=jaxmp.noop_scaler()))(
+        jnp.ones((4, 4)), jnp.ones((2, 4))))
+    assert "bf16[2,4]" in jaxpr and "f16[" not in jaxpr.replace("bf16[", "")
+
+
+def _loss(w, x):
+    return jnp.mean((x @ w) ** 2)
+
+
+def test_a_dynamic_scaler_with_bfloat16_is_said_once_while_tracing():
+    import warnings  # pylint: disable=g-import-not-at-top
+
+    w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+    step = jax.jit(lambda w, x, s: jaxmp.mp_value_and_grad(_loss)(w, x, scaler_state=s))
+    with pytest.warns(UserWarning, match=r"computes in bfloat16 .* dynamic loss scaler") as caught:
+        step(w, x, jaxmp.init_scaler())
+        step(w, 2 * x, jaxmp.init_scaler())  # the same trace: said once
+    said = [c for c in caught if "dynamic loss scaler" in str(c.message)]
+    assert len(said) == 1 and "jaxmp.scaler_for(jnp.bfloat16)" in str(said[0].message)
+    assert said[0].filename == __file__  # the user's line
+    with warnings.catch_warnings():  # the right scaler, float16, or no mixed precision: silent
+        warnings.simplefilter("error")
+        for fn, scaler in [
+                (jaxmp.mp_value_and_grad(_loss), jaxmp.scaler_for(jnp.bfloat16)),
+                (jaxmp.mp_value_and_grad(_loss, compute_dtype=jnp.float16), jaxmp.init_scaler()),
+                (jaxmp.mp_value_and_grad(_loss, use_mixed_precision=False), jaxmp.init_scaler())]:
+            jax.eval_shape(lambda w, x, s, fn=fn: fn(w, x, scaler_state=s), w, x, scaler)

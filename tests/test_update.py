@@ -126,7 +126,7 @@ def test_end_to_end_with_mp_value_and_grad_never_lets_nan_in():
 
     opt = optax.adam(1e-2)
     w = jnp.ones((3, 2))
-    grad_fn = jaxmp.mp_value_and_grad(loss_fn)
+    grad_fn = jaxmp.mp_value_and_grad(loss_fn, compute_dtype=jnp.float16)
     xs = jnp.ones((4, 5, 3)).at[2].set(jnp.inf)  # the third batch is poisoned
 
     def body(carry, x):
@@ -250,7 +250,7 @@ def test_equinox_module_with_non_array_leaves_matches_apply_updates():
     x = jax.random.normal(jax.random.key(1), (8, 3))
     opt = optax.adam(1e-2)
     opt_state = opt.init(eqx.filter(model, eqx.is_inexact_array))
-    _, grads, _, finite = jaxmp.mp_value_and_grad(loss_fn)(
+    _, grads, _, finite = jaxmp.mp_value_and_grad(loss_fn, compute_dtype=jnp.float16)(
         model, x, scaler_state=jaxmp.init_scaler(initial_scale=1024.0))
     new, new_state = jaxmp.optimizer_update(model, opt, opt_state, grads, finite)
     assert new.activation is jax.nn.gelu and new.temperature == 2.0
@@ -321,7 +321,8 @@ def test_half_precision_params_under_float16_scaling_warn_at_trace_time():
     @jax.jit
     def step(w, x, s):
         traced.append(1)
-        return jaxmp.mp_value_and_grad(_square_loss, autocast=False)(w, x, scaler_state=s)
+        return jaxmp.mp_value_and_grad(_square_loss, autocast=False,
+                                       compute_dtype=jnp.float16)(w, x, scaler_state=s)
 
     with pytest.warns(UserWarning, match="master weights in float32") as record:
         step(w, x, jaxmp.init_scaler())
@@ -335,7 +336,8 @@ def test_half_precision_params_under_float16_scaling_warn_at_trace_time():
 @pytest.mark.parametrize("case", ["float32_params", "pure_bfloat16", "no_mixed_precision"])
 def test_master_weight_check_is_quiet_otherwise(case):
     x = jnp.ones((4, 3))
-    w, options, scaler = jnp.ones((3, 2)), {}, jaxmp.init_scaler()
+    # float32 master weights under float16 loss scaling (a dynamic scaler is for float16).
+    w, options, scaler = jnp.ones((3, 2)), {"compute_dtype": jnp.float16}, jaxmp.init_scaler()
     if case == "pure_bfloat16":
         w, options, scaler = w.astype(jnp.bfloat16), {"compute_dtype": jnp.bfloat16}, \
             jaxmp.noop_scaler()
@@ -354,7 +356,8 @@ def test_step_with_messages_still_lowers_for_a_gpu_on_this_machine():
 
     @jax.jit
     def step(w, s, scaler, x):
-        _, g, scaler, finite = jaxmp.mp_value_and_grad(_square_loss, autocast=False)(
+        _, g, scaler, finite = jaxmp.mp_value_and_grad(_square_loss, autocast=False,
+                                                       compute_dtype=jnp.float16)(
             w, x, scaler_state=scaler)
         w, s = jaxmp.optimizer_update(w, opt, s, g, finite)
         return w, s, scaler

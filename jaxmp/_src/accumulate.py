@@ -114,7 +114,7 @@ def accumulate_value_and_grad(
     batch_argnums: int | Sequence[int] | None = None,
     no_cast_argnums: int | Sequence[int] = (),
     has_aux: bool = False,
-    compute_dtype: Any = jnp.float16,
+    compute_dtype: Any = jnp.bfloat16,
     use_mixed_precision: bool = True,
     axis_name: Any = None,
     autocast: bool = True,
@@ -161,7 +161,7 @@ def accumulate_value_and_grad(
             ``num_microbatches`` (floating leaves in float32 under mixed
             precision, except state of ``no_cast_argnums`` returned updated,
             in its own dtypes, as with :func:`jaxmp.mp_value_and_grad`).
-        compute_dtype: ``jnp.float16`` (default), ``jnp.bfloat16`` or
+        compute_dtype: ``jnp.bfloat16`` (default), ``jnp.float16`` or
             ``jnp.float32``.
         use_mixed_precision: ``False`` runs in float32 without scaling and
             returns ``scaler_state`` unchanged.
@@ -190,7 +190,8 @@ def accumulate_value_and_grad(
         >>> def loss_fn(w, x, y):
         ...     return jnp.mean((x @ w - y) ** 2)
         >>> w, x, y = jnp.ones(3), jnp.ones((8, 3)), jnp.zeros(8)
-        >>> step = jaxmp.accumulate_value_and_grad(loss_fn, num_microbatches=4)
+        >>> step = jaxmp.accumulate_value_and_grad(loss_fn, num_microbatches=4,
+        ...                                        compute_dtype=jnp.float16)
         >>> loss, grads, state, finite = step(
         ...     w, x, y, scaler_state=jaxmp.init_scaler(initial_scale=1024.0))
         >>> float(loss), grads.tolist(), bool(finite)

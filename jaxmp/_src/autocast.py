@@ -1088,6 +1088,7 @@ def autocast(
         >>> bool(err.max() < 0.1)
         True
     """
+    casting.check_function(fn, "jaxmp.autocast", "autocast(fn, compute_dtype=jnp.bfloat16, ...)")
     compute_dtype = casting.canonical_float_dtype(
         compute_dtype, allowed=casting.COMPUTE_DTYPES, what="compute_dtype"
     )
@@ -1109,7 +1110,8 @@ def autocast(
     def run_autocast(closed, dyn):
         if matmul_dtype is not None:  # says, once, which products cannot run in float8
             census.warn_if_float8_shortfall(closed, rules, float8_rules, compute_dtype,
-                                            matmul_dtype, float8_recipe)
+                                            matmul_dtype, float8_recipe,
+                                            [census.is_differentiated(x) for x in dyn])
         out_avals = closed.out_avals
         keep = _narrow_safe(closed, rules)
         # Under float8 the products quantize their operands from float32: a collective

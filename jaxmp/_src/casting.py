@@ -8,6 +8,7 @@ handed to these functions without damaging labels, step counters or keys.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -98,6 +99,24 @@ def is_float_array(x: Any) -> bool:
     return is_array(x) and is_float_dtype(x.dtype)
 
 
+def describe(value: Any) -> str:
+    """``value`` for an error message: its ``repr`` when short, else what it is."""
+    text = repr(value)
+    if len(text) <= 60 and "\n" not in text:
+        return text
+    if callable(value) and not isinstance(value, type):
+        return f"a function ({type(value).__name__})"
+    return f"a {type(value).__name__}"
+
+
+def check_function(fn: Any, api: str, signature: str) -> None:
+    """Raises ``TypeError`` unless ``fn`` is callable, naming ``api`` and its ``signature``."""
+    if not callable(fn):
+        raise TypeError(
+            f"{api} takes a function first ({signature}), got {describe(fn)}: are the "
+            "arguments in the wrong order?")
+
+
 def canonical_float_dtype(dtype: Any, *, allowed=None, what: str = "dtype") -> np.dtype:
     """Returns ``dtype`` as a NumPy dtype, raising ``ValueError`` if it is not allowed.
 
@@ -111,10 +130,17 @@ def canonical_float_dtype(dtype: Any, *, allowed=None, what: str = "dtype") -> n
     if isinstance(dtype, str) and dtype.lower() in _SHORT_NAMES:
         # The short names of policy strings; NumPy would read "f16" as float128.
         dtype = _SHORT_NAMES[dtype.lower()]
+    if (callable(dtype) and not isinstance(dtype, type)) or isinstance(
+            dtype, (dict, list, tuple, jax.Array, np.ndarray)) or dataclasses.is_dataclass(dtype):
+        # A function, a tree or an array where a dtype goes: arguments in the wrong order.
+        raise ValueError(
+            f"{what} must be a floating-point dtype (jnp.bfloat16, jnp.float16...), got "
+            f"{describe(dtype)}: are the arguments in the wrong order? (The function or the "
+            "tree comes first, the dtype after it.)")
     try:
         dt = jnp.dtype(dtype)
-    except TypeError as e:
-        raise ValueError(f"{what} must be a floating-point dtype, got {dtype!r}.") from e
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what} must be a floating-point dtype, got {describe(dtype)}.") from e
     if allowed is None:
         if not jnp.issubdtype(dt, jnp.floating):
             raise ValueError(f"{what} must be a floating-point dtype, got {dt.name}.")
@@ -241,6 +267,7 @@ def cast_function(fn: Callable, dtype: Any, return_dtype: Any = None) -> Callabl
         >>> f(jnp.ones((2, 2)), jnp.ones(2)).dtype
         dtype('float32')
     """
+    check_function(fn, "jaxmp.cast_function", "cast_function(fn, dtype, return_dtype=None)")
     dtype = canonical_float_dtype(dtype)
     if return_dtype is not None:
         return_dtype = canonical_float_dtype(return_dtype, what="return_dtype")
@@ -277,4 +304,6 @@ def force_full_precision(fn: Callable, return_dtype: Any = None) -> Callable:
         >>> float(mean(x)), mean(x).dtype
         (100.0, dtype('float16'))
     """
+    check_function(fn, "jaxmp.force_full_precision",
+                   "force_full_precision(fn, return_dtype=None)")
     return cast_function(fn, jnp.float32, return_dtype)

@@ -23,7 +23,9 @@ import sys
 import warnings
 from typing import Any, Iterator, NamedTuple
 
+import jax
 import numpy as np
+from jax.extend import core as jex_core
 
 from jaxmp._src import casting
 from jaxmp._src import float8
@@ -54,7 +56,7 @@ class MostlyFloat32Warning(UserWarning):
         >>> def loss_fn(w, x):  # and the layer fixes its own dtype to float32
         ...     h = (x @ w).astype(jnp.float32)
         ...     return jnp.mean(h @ w_out)
-        >>> grad_fn = jaxmp.mp_value_and_grad(loss_fn, autocast=False)
+        >>> grad_fn = jaxmp.mp_value_and_grad(loss_fn, compute_dtype=jnp.float16, autocast=False)
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")
         ...     _ = grad_fn(jnp.ones((8, 8)), jnp.ones((2, 8)), scaler_state=jaxmp.init_scaler())
@@ -63,9 +65,47 @@ class MostlyFloat32Warning(UserWarning):
     """
 
 
+def loop_trips(eqn) -> int:
+    """How often a ``while`` equation runs its body, when it counts its iterations, else 1.
+
+    A counted loop has a carry that starts at the literal 0, a condition that is
+    that carry ``lt`` a literal, and a body that adds 1 to it (a ``fori_loop``
+    with traced bounds does not; one with fixed bounds is a ``scan``). The FLOP
+    count of the lowered program (``diagnostics._loop_trips``) reads the same
+    loops the same way.
+    """
+    cond_n, body_n = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    cond, body = eqn.params["cond_jaxpr"].jaxpr, eqn.params["body_jaxpr"].jaxpr
+    test = next((e for e in cond.eqns if cond.outvars[0] in e.outvars), None)
+    if test is None or test.primitive.name != "lt":
+        return 1
+    counter, bound = test.invars
+    carries = cond.invars[cond_n:]
+    if not isinstance(bound, jex_core.Literal) or counter not in carries:
+        return 1
+    k = carries.index(counter)
+    start = eqn.invars[cond_n + body_n + k]
+    step = next((e for e in body.eqns if body.outvars[k] in e.outvars), None)
+    if (not isinstance(start, jex_core.Literal) or int(start.val) != 0 or step is None
+            or step.primitive.name != "add"):
+        return 1
+    a, b = step.invars
+    mine = body.invars[body_n + k]
+    one = b if a is mine else a if b is mine else None
+    if not isinstance(one, jex_core.Literal) or int(one.val) != 1:
+        return 1
+    return max(int(bound.val), 0)
+
+
 def sub_jaxprs(eqn) -> Iterator[tuple[Any, int]]:
-    """The jaxprs inside ``eqn`` (scan, cond, jit, checkpoint, custom rules) with a repeat count."""
-    repeat = int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1
+    """The jaxprs inside ``eqn`` (scan, while, cond, jit, checkpoint, custom rules) with how
+    often each runs: a ``scan``'s ``length`` times, a counted ``while`` loop's trip count
+    (:func:`loop_trips`)."""
+    repeat = 1
+    if eqn.primitive.name == "scan":
+        repeat = int(eqn.params.get("length", 1))
+    elif eqn.primitive.name == "while":
+        repeat = loop_trips(eqn)
     for value in eqn.params.values():
         for item in value if isinstance(value, (tuple, list)) else (value,):
             inner = getattr(item, "jaxpr", item)
@@ -98,6 +138,91 @@ def _flops(eqn) -> int:
         return 2 * math.prod(out.shape) * math.prod(lhs.shape[i] for i in contracting)
     out_features = rhs.shape[eqn.params["dimension_numbers"].rhs_spec[0]]
     return 2 * math.prod(out.shape) * math.prod(rhs.shape) // max(out_features, 1)
+
+
+# --- Which operands are differentiated --------------------------------------------------------
+
+# JAX's tracers of a value being differentiated (reverse mode traces with the linearize
+# tracer, forward mode and older JAX with the JVP tracer). Private names: a release that
+# renamed them makes every value look undifferentiated (the float8 warnings then count
+# forward products only).
+_DIFFERENTIATING = frozenset({"LinearizeTracer", "JVPTracer"})
+
+
+def is_differentiated(x: Any) -> bool:
+    """Whether the value ``x`` (an argument of a function being traced) is being differentiated:
+    a tracer of JAX's autodiff, possibly inside ``vmap``'s or another's."""
+    seen = 0
+    while isinstance(x, jax.core.Tracer) and seen < 64:
+        if type(x).__name__ in _DIFFERENTIATING:
+            return True
+        x = next((getattr(x, a) for a in ("primal", "val") if getattr(x, a, None) is not None),
+                 None)
+        seen += 1
+    return False
+
+
+def _inner_jaxprs(eqn) -> list[tuple[Any, list | None]]:
+    """The jaxprs inside ``eqn``, each with the outer values its inputs stand for, in order,
+    or with ``None`` when its inputs cannot be matched to the equation's one for one."""
+    name, params = eqn.primitive.name, eqn.params
+    outer = list(eqn.invars)
+    if name == "cond":
+        return [(getattr(b, "jaxpr", b), outer[1:]) for b in params["branches"]]
+    if name == "while":
+        cn, bn = params["cond_nconsts"], params["body_nconsts"]
+        carry = outer[cn + bn:]
+        return [(params["cond_jaxpr"].jaxpr, outer[:cn] + carry),
+                (params["body_jaxpr"].jaxpr, outer[cn:cn + bn] + carry)]
+    found = []
+    for inner, _ in sub_jaxprs(eqn):
+        found.append((inner, outer if len(inner.invars) == len(outer) else None))
+    return found
+
+
+def differentiated_products(jaxpr, differentiated: list) -> dict:
+    """``{id(product eqn): (lhs differentiated, rhs differentiated)}`` for every product of
+    ``jaxpr``, nested ones included, given which of its inputs are differentiated.
+
+    A value is differentiated when it depends on a differentiated input. A product's
+    backward products are those of its differentiated operands: the gradient of an operand
+    that is not differentiated (a batch, a constant) is never computed. Loop carries are
+    followed until they settle; a nested jaxpr whose inputs cannot be matched to the outer
+    values counts all of them differentiated when any outer one is.
+    """
+    marked: set = set()
+    out: dict = {}
+
+    def visit(jaxpr, inputs):
+        marked.update(v for v, d in zip(jaxpr.invars, inputs) if d)
+        for eqn in jaxpr.eqns:
+            ins = [not isinstance(v, jex_core.Literal) and v in marked for v in eqn.invars]
+            if eqn.primitive.name in _PRODUCTS:
+                before = out.get(id(eqn), (False, False))
+                out[id(eqn)] = (before[0] or ins[0], before[1] or ins[1])
+            loops = eqn.primitive.name in ("scan", "while")
+            for _ in range(1 + loops):  # a loop's second pass sees what its carries became
+                for inner, outer in _inner_jaxprs(eqn):
+                    if outer is None:
+                        visit(inner, [any(ins)] * len(inner.invars))
+                    else:
+                        visit(inner, [not isinstance(v, jex_core.Literal) and v in marked
+                                      or w in marked for v, w in zip(outer, inner.invars)])
+                if loops:
+                    inner = [j for j, _ in _inner_jaxprs(eqn)][-1]
+                    carried = [o in marked for o in inner.outvars]
+                    n_carry = (eqn.params["num_carry"] if eqn.primitive.name == "scan"
+                               else len(carried))
+                    first = (eqn.params["num_consts"] if eqn.primitive.name == "scan"
+                             else eqn.params["body_nconsts"])
+                    for i in range(n_carry):
+                        if carried[i]:
+                            marked.add(inner.invars[first + i])
+            if any(ins) or any(o in marked for j, _ in _inner_jaxprs(eqn) for o in j.outvars):
+                marked.update(eqn.outvars)
+
+    visit(jaxpr, differentiated)
+    return out
 
 
 def walk(jaxpr, repeat: int = 1, enclosing: tuple = ()) -> Iterator[tuple[Any, int, tuple]]:
@@ -292,8 +417,7 @@ class _Placed(NamedTuple):
     """Where autocast runs one product: float8 forward / backward, or why not."""
 
     forward: bool  # the product itself in float8
-    backward: float  # the share of its backward products' FLOPs in float8 (each has the
-    # forward product's FLOPs): 1, 0, or 1/2 for a convolution's input gradient alone
+    backward: bool  # its backward products in float8
     why: str | None  # a key of ``_WIDER``; None: float8, or kept by the user's Float8Rules
 
 
@@ -317,20 +441,31 @@ def _place(eqn, enclosing: tuple, rules: Any, float8_rules: Any) -> _Placed:
         return _Placed(False, False, why)
     if any(e.primitive.name in _CUSTOM_RULES for e in enclosing):
         return _Placed(True, False, "custom_rule")
-    if eqn.primitive.name == "conv_general_dilated":
-        _, input_gradient, kernel_gradient = float8.conv_float8_products(eqn.params)
-        backward = (input_gradient + kernel_gradient) / 2
-        return _Placed(True, backward, None if backward == 1 else "conv_backward")
+    if eqn.primitive.name == "conv_general_dilated" and not all(_float8_gradients(eqn, True)):
+        return _Placed(True, True, "conv_backward")
     return _Placed(True, True, None)
 
 
-def _percent(share: float) -> str:
+def _float8_gradients(eqn, backward: bool) -> tuple[bool, bool]:
+    """Whether the gradients with respect to ``eqn``'s left and right operands run in float8,
+    for a product whose backward products autocast places in float8 (``backward``): both for
+    a ``dot_general``; for a convolution, what XLA runs in float8
+    (:func:`float8.conv_float8_products`: the input gradient with unit strides, never the
+    kernel gradient)."""
+    if not backward:
+        return False, False
+    if eqn.primitive.name == "conv_general_dilated":
+        return float8.conv_float8_products(eqn.params)[1:]
+    return True, True
+
+
+def _percent(share: float, digits: int = 0) -> str:
     """``share`` as a percentage that reads 100% or 0% only when it is exactly that."""
-    text = f"{share:.0%}"
-    if text == "100%" and share < 1:
-        return ">99%"
-    if text == "0%" and share > 0:
-        return "<1%"
+    text = f"{share:.{digits}%}"
+    if float(text[:-1]) == 100 and share < 1:
+        return f">{100 - 10 ** -digits:g}%"
+    if float(text[:-1]) == 0 and share > 0:
+        return f"<{10 ** -digits:g}%"
     return text
 
 
@@ -349,13 +484,34 @@ def _contracted(eqn) -> list[tuple[str, int]]:
             ("weight-gradient", free(lhs, lc, lb))]
 
 
-def _warn_if_unblocked(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any) -> bool:
+def _differentiated_operands(eqn, diff: dict) -> tuple[bool, bool]:
+    """Whether the program computes the gradient of each operand of the product ``eqn``: the
+    operand is floating point and differentiated (``diff``, :func:`differentiated_products`)."""
+    marked = diff.get(id(eqn), (True, True))
+    return tuple(d and casting.is_float_dtype(v.aval.dtype)
+                 for v, d in zip(eqn.invars[:2], marked))
+
+
+def _phases(eqn, diff: dict, placed: _Placed) -> list[str]:
+    """The products of ``eqn`` the program computes, by :func:`_contracted`'s names: the
+    forward one, and the gradient of each differentiated operand (when float8)."""
+    lhs, rhs = _differentiated_operands(eqn, diff)
+    float8_lhs, float8_rhs = _float8_gradients(eqn, placed.backward)
+    return ["forward"] + [name for name, d in (("input-gradient", lhs and float8_lhs),
+                                               ("weight-gradient", rhs and float8_rhs)) if d]
+
+
+def _warn_if_unblocked(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any,
+                       diff: dict) -> bool:
     """Warns when products of a block-scaled ``recipe`` are padded or run with one scale per tensor.
 
     A contracting dimension that is not a multiple of ``recipe.block`` is
     padded with zeros (FLOPs spent on zeros); a primitive the recipe does not
     block-scale (a convolution under ``"mxfp8"``) runs with one scale per
     tensor. Says the extra FLOPs or the share, and the first such product.
+    The products counted are those the program computes (``diff``, from
+    :func:`differentiated_products`): the share is the one
+    :func:`jaxmp.matmul_flops` gives, with and without ``"mxfp8"``.
     """
     total = padding = per_tensor = 0
     first_padded = first_tensor = None
@@ -364,13 +520,15 @@ def _warn_if_unblocked(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any)
         if not placed.forward or any(
                 float8.is_float8_dtype(v.aval.dtype) for v in eqn.invars[:2]):
             continue  # not a product autocast scales (a float8 product written as such)
-        phases = 1 + 2 * placed.backward
-        total += flops * phases
+        phases = _phases(eqn, diff, placed)
+        total += flops * len(phases)
         if eqn.primitive.name not in recipe.blocked:
-            per_tensor += flops * phases
+            per_tensor += flops * len(phases)
             first_tensor = first_tensor or (eqn, enclosing)
             continue
-        for phase, k in _contracted(eqn)[:int(phases)]:
+        for phase, k in _contracted(eqn):
+            if phase not in phases:
+                continue
             if k % recipe.block:
                 padding += flops * (-(-k // recipe.block) * recipe.block - k) // k
                 first_padded = first_padded or (eqn, enclosing, phase, k)
@@ -394,9 +552,11 @@ def _warn_if_unblocked(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any)
         warned |= warn_once(
             (source.location_key(eqn, enclosing), "padding", recipe.name),
             f"jaxmp: autocast with float8_scaling={recipe.name!r} pads contracting dimensions "
-            f"that are not a multiple of {recipe.block} with zeros: {_percent(padding / total)} "
-            f"more float8 matrix-product FLOPs (forward and backward products) for the same "
-            f"result. The first is a {eqn.primitive.name} at "
+            f"that are not a multiple of {recipe.block} with zeros: "
+            f"{_percent(padding / total, 1)} more float8 matrix-product FLOPs for the same "
+            "result (forward products, and the backward products of differentiated operands: "
+            "jaxmp.matmul_flops of this step with float8_scaling='mxfp8' over that with "
+            f"'tensor'). The first is a {eqn.primitive.name} at "
             f"{source.user_location(eqn, enclosing)}: its {phase} product contracts {k} "
             f"elements, padded to {padded}.\n"
             f"  Fix: make that dimension a multiple of {recipe.block} (a head size, a width, "
@@ -435,7 +595,8 @@ def _warn_if_fallback(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any) 
 
 
 def warn_if_float8_shortfall(closed_jaxpr, rules: Any, float8_rules: Any, compute_dtype: Any,
-                             matmul_dtype: Any, recipe: Any = None) -> bool:
+                             matmul_dtype: Any, recipe: Any = None,
+                             differentiated: list | None = None) -> bool:
     """Warns when products of ``closed_jaxpr`` run wider than float8 for a reason of autocast's.
 
     ``closed_jaxpr`` is the function autocast traced, with ``rules`` (a
@@ -449,25 +610,35 @@ def warn_if_float8_shortfall(closed_jaxpr, rules: Any, float8_rules: Any, comput
     also warns when products are padded to whole blocks or run with one
     scale per tensor (:func:`_warn_if_unblocked`), or when the target has no
     block-scaled GEMMs and the recipe's fallback runs instead
-    (:func:`_warn_if_fallback`). Returns whether it warned; said once per
-    first product (:func:`warn_once`).
+    (:func:`_warn_if_fallback`). ``differentiated`` says
+    which inputs of ``closed_jaxpr`` are being differentiated
+    (:func:`is_differentiated` of each; ``None``: all): a backward product is
+    counted only for an operand that depends on one, as the program computes
+    it. Returns whether it warned; said once per first product
+    (:func:`warn_once`).
     """
+    if differentiated is None:
+        differentiated = [True] * len(closed_jaxpr.jaxpr.invars)
+    diff = differentiated_products(closed_jaxpr.jaxpr, differentiated)
     fallback = recipe is not None and _warn_if_fallback(closed_jaxpr, rules, float8_rules,
                                                         recipe)
-    unblocked = (not fallback and recipe is not None and recipe.block > 0
-                 and _warn_if_unblocked(closed_jaxpr, rules, float8_rules, recipe))
-    unblocked |= fallback
+    unblocked = fallback or (recipe is not None and recipe.block > 0 and _warn_if_unblocked(
+        closed_jaxpr, rules, float8_rules, recipe, diff))
     total = in_float8 = wider = 0
     first = None
     for eqn, flops, enclosing in census(closed_jaxpr.jaxpr):
         placed = _place(eqn, enclosing, rules, float8_rules)
-        n_floats = sum(casting.is_float_dtype(v.aval.dtype) for v in eqn.invars[:2])
-        backward = flops * n_floats
+        grads = _differentiated_operands(eqn, diff)
+        backward = flops * sum(grads)
+        backward8 = flops * sum(g and f for g, f in zip(grads, _float8_gradients(
+            eqn, placed.backward)))
         total += flops + backward
-        in_float8 += flops * placed.forward + backward * placed.backward
+        in_float8 += flops * placed.forward + backward8
         if placed.why is not None:
-            wider += flops * (not placed.forward) + backward * (1 - placed.backward)
-            if first is None:
+            here = flops * (not placed.forward) + backward - backward8
+            wider += here
+            # a convolution says why its kernel gradient runs wider only when it computes one
+            if first is None and (here or placed.why != "conv_backward"):
                 first = (eqn, enclosing, placed.why)
     if first is None:
         return unblocked

@@ -83,6 +83,8 @@ def saved_activation_bytes(
         >>> full / half
         2.0
     """
+    casting.check_function(fn, "jaxmp.saved_activation_bytes",
+                           "saved_activation_bytes(fn, *args, argnums=0, has_aux=False)")
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     dynamic, static = casting.partition((args, kwargs), _is_dynamic)
 
@@ -141,22 +143,121 @@ def _block_scaled_flops(line: str) -> tuple[str, int]:
     return product_key(_dtype_name(lhs_t), _dtype_name(rhs_t)), 2 * b * m * n * k
 
 
+# A counted while loop (that of a lowered scan or fori_loop with fixed bounds, or a
+# while_loop written so): a counter from the constant 0, compared with a constant,
+# plus 1 on each iteration.
+_WHILE = re.compile(r"=\s*stablehlo\.while\((.*?)\)\s*:")
+_LOOP_INIT = re.compile(r"(%[\w#.]+)\s*=\s*(%[\w#.]+)")
+_INT_CONSTANT = re.compile(
+    r"(%[\w#.]+)\s*=\s*stablehlo\.constant\s+dense<(-?\d+)>\s*:\s*tensor<[ui](?:8|16|32|64)>")
+_LESS_THAN = re.compile(r"(%[\w#.]+)\s*=\s*stablehlo\.compare\s+LT,\s*(%[\w#.]+),\s*(%[\w#.]+)")
+_ADD = re.compile(r"(%[\w#.]+)\s*=\s*stablehlo\.add\s+(%[\w#.]+),\s*(%[\w#.]+)")
+_RETURN = re.compile(r"stablehlo\.return\s+([^:]*)")
+
+
+class _Loop:
+    """A ``stablehlo.while`` being read: where it is, and what says how often it runs."""
+
+    def __init__(self, line: int, indent: int, inits: list, constants: dict):
+        self.line, self.indent, self.in_body = line, indent, False
+        self.args = [arg for arg, _ in inits]
+        self.starts = {arg: constants.get(init) for arg, init in inits}
+        self.compared: dict = {}  # the cond's comparisons: result -> (counter, bound)
+        self.counter = self.bound = None
+        self.plus_one: dict = {}  # the body's values that are an argument plus 1
+
+    def read(self, line: str, stripped: str, constants: dict) -> None:
+        """Reads one line of the loop's own regions (not of loops nested in them)."""
+        if not self.in_body:
+            found = _LESS_THAN.search(line)
+            if found and self.starts.get(found.group(2)) == 0:
+                self.compared[found.group(1)] = (found.group(2), constants.get(found.group(3)))
+            returned = _RETURN.search(stripped)
+            if returned and returned.group(1).strip() in self.compared:
+                self.counter, self.bound = self.compared[returned.group(1).strip()]
+            return
+        found = _ADD.search(line)
+        if found:
+            result, a, b = found.groups()
+            for arg, other in ((a, b), (b, a)):
+                if arg in self.starts and constants.get(other) == 1:
+                    self.plus_one[result] = arg
+
+    def trips(self, stripped: str) -> int | None:
+        """The trip count, from the body's ``stablehlo.return``: ``None`` unless counted."""
+        returned = _RETURN.search(stripped)
+        if returned is None or self.counter is None or self.bound is None:
+            return None
+        values = [v.strip() for v in returned.group(1).split(",")]
+        position = self.args.index(self.counter)
+        counted = position < len(values) and self.plus_one.get(values[position]) == self.counter
+        return max(self.bound, 0) if counted else None
+
+
+def _loop_trips(lines: list[str]) -> dict[int, int]:
+    """The trip count of each counted ``stablehlo.while``, by its line number."""
+    trips: dict[int, int] = {}
+    loops: list[_Loop] = []
+    constants: dict[str, int] = {}
+    for number, line in enumerate(lines):
+        if _FUNC.search(line):
+            loops, constants = [], {}
+            continue
+        stripped, indent = line.strip(), len(line) - len(line.lstrip())
+        if loops and indent == loops[-1].indent and stripped.startswith("}"):
+            if stripped.startswith("} do"):
+                loops[-1].in_body = True
+            else:
+                loops.pop()
+            continue
+        constant = _INT_CONSTANT.search(line)
+        if constant:
+            constants[constant.group(1)] = int(constant.group(2))
+        if loops and indent == loops[-1].indent + 2:
+            loops[-1].read(line, stripped, constants)
+            if loops[-1].in_body and stripped.startswith("stablehlo.return"):
+                counted = loops[-1].trips(stripped)
+                if counted is not None:
+                    trips[loops[-1].line] = counted
+        found = _WHILE.search(line)
+        if found:
+            loops.append(_Loop(number, indent, _LOOP_INIT.findall(found.group(1)), constants))
+    return trips
+
+
 def _module_flops(text: str) -> dict[str, int]:
-    """:func:`matmul_flops`'s totals from a lowered module's text: each function's products
-    counted once per call of it (JAX lowers a nested ``jit`` called twice as one function)."""
+    """:func:`matmul_flops`'s totals from a lowered module's text.
+
+    Each function's products count once per call of it (JAX lowers a nested
+    ``jit`` called twice as one function), and a loop's once per iteration
+    when the loop counts its iterations (:func:`_loop_trips`: the ``while``
+    of a ``scan``); the body of any other ``while`` counts once, as
+    :func:`census.loop_trips` counts them in a jaxpr.
+    """
+    lines = text.splitlines()
+    trips = _loop_trips(lines)
     own: dict[str, dict[str, int]] = {}
-    callees: dict[str, list[str]] = {}
+    callees: dict[str, list[tuple[str, int]]] = {}
     current = "main"
-    for line in text.splitlines():
+    loops: list[tuple[int, int]] = []  # (indentation, trip count) of the enclosing loops
+    for number, line in enumerate(lines):
         declared = _FUNC.search(line)
         if declared:
-            current = declared.group(1)
+            current, loops = declared.group(1), []
             continue
-        callees.setdefault(current, []).extend(_CALL.findall(line))
+        stripped, indent = line.strip(), len(line) - len(line.lstrip())
+        if loops and indent == loops[-1][0] and stripped.startswith("}"):
+            if not stripped.startswith("} do"):
+                loops.pop()
+            continue
+        times = math.prod(n for _, n in loops)
+        callees.setdefault(current, []).extend((c, times) for c in _CALL.findall(line))
         found = (_block_scaled_flops(line) if _BLOCK_SCALED_DOT in line else _op_flops(line))
         if found is not None:
             totals = own.setdefault(current, {})
-            totals[found[0]] = totals.get(found[0], 0) + found[1]
+            totals[found[0]] = totals.get(found[0], 0) + times * found[1]
+        if _WHILE.search(line):
+            loops.append((indent, trips.get(number, 1)))
     totals: dict[str, int] = {}
 
     def add(name: str, times: int, depth: int = 0):
@@ -164,8 +265,8 @@ def _module_flops(text: str) -> dict[str, int]:
             return
         for key, flops in own.get(name, {}).items():
             totals[key] = totals.get(key, 0) + times * flops
-        for callee in callees.get(name, ()):
-            add(callee, times, depth + 1)
+        for callee, repeat in callees.get(name, ()):
+            add(callee, times * repeat, depth + 1)
 
     add("main", 1)
     return totals
@@ -215,8 +316,43 @@ def _is_float8_key(key: str) -> bool:
     return all(_is_float8_name(part) for part in key.split("+"))
 
 
-def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any) -> dict[str, int]:
+def _unplaced(tree: PyTree) -> PyTree:
+    """``tree`` with its concrete arrays as shapes and dtypes, without their devices.
+
+    The FLOPs do not depend on where the values are, and the devices of a
+    ``pmap``'s outputs (a mesh of JAX's own) clash with those of the ``pmap``
+    itself in a ``jit`` around it ("mesh should be the same across the entire
+    program"). A ``jax.ShapeDtypeStruct`` keeps the sharding it was given.
+    """
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if casting.is_array(x) else x, tree)
+
+
+def _array_function(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, PyTree]:
+    """``(call, dynamic)``: ``fn`` as a function of the array leaves of ``(args, kwargs)``
+    (``dynamic``; the other leaves are closed over) that returns its result's array leaves."""
+    dynamic, static = casting.partition((args, kwargs), _is_dynamic)
+
+    def call(dynamic):
+        call_args, call_kwargs = casting.combine(dynamic, static)
+        return _arrays(fn(*call_args, **call_kwargs))
+
+    return call, dynamic
+
+
+def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", target: Any = None,
+                 **kwargs: Any) -> dict[str, int]:
     """FLOPs of the matrix products and convolutions of ``jax.jit(fn)``, by dtype.
+
+    Without ``target``, this counts the program jaxmp and JAX build, before XLA
+    optimises it: what the step *asks* the compiler for. With ``target="h100"``
+    (or ``"b200"``) it counts the optimized program XLA's GPU compiler makes for
+    that GPU (:func:`jaxmp.gpu_program`: compiled here, no GPU needed, JAX's CUDA
+    plugin needed): what the GPU *runs*. The two differ where XLA widens float8
+    operands before a product (the convolutions it cannot run in float8, the
+    block-scaled dots of a GPU without them) or runs a product without tensor
+    cores; such a product counts under the dtype it runs in (``"float32"`` for
+    one in a loop fusion). Compiling takes seconds to minutes.
 
     ``fn`` is traced with the given arguments and lowered to StableHLO for
     ``platform`` (no such device is needed: lowering for ``"cuda"`` works on a
@@ -228,8 +364,12 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any
     (``"float8_e4m3fn+float8_e5m2"``). The block-scaled dots of
     ``float8_scaling="mxfp8"`` (cuDNN custom calls in the CUDA program) count
     under their float8 operands' dtype. A function called several times (a
-    nested ``jit``) counts once per call; an operation inside a loop body
-    (``scan``, ``while``) is counted once, not once per iteration.
+    nested ``jit``) counts once per call, and the body of a ``lax.scan`` (or
+    of a ``fori_loop`` with fixed bounds) once per iteration, as
+    :func:`jaxmp.precision_report` counts them: a whole training run in one
+    ``jit`` counts every step. The body of a loop whose trip count is not
+    fixed when traced (``lax.while_loop``, unless it counts from 0 to a
+    constant by 1) counts once.
 
     Args:
         fn: any function, e.g. a whole training step.
@@ -237,8 +377,12 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any
             non-array leaves, such as the functions and static fields of an
             Equinox module, or ``None``, are closed over). ``fn`` may return
             any pytree too (a model updated by a training step): only its
-            array leaves are kept.
-        platform: the platform to lower for.
+            array leaves are kept. Arrays are read for their shapes and
+            dtypes (the outputs of a ``pmap`` step can go back into it); a
+            ``jax.ShapeDtypeStruct`` keeps its sharding.
+        platform: the platform to lower for (without ``target``).
+        target: ``None`` (the program before XLA), or a GPU target (``"h100"``,
+            ``"b200"``, a :class:`jaxmp.GpuTarget`): the optimized program for it.
         **kwargs: keyword arguments.
 
     Returns:
@@ -251,24 +395,25 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any
         >>> jaxmp.matmul_flops(lambda a, b: a @ b, a, b)  # 2 * 2*3*4 multiply-adds
         {'float16': 48}
     """
-    dynamic, static = casting.partition((args, kwargs), _is_dynamic)
-
-    def call(dynamic):
-        call_args, call_kwargs = casting.combine(dynamic, static)
-        return _arrays(fn(*call_args, **call_kwargs))
-
+    casting.check_function(fn, "jaxmp.matmul_flops", "matmul_flops(fn, *args, **kwargs)")
+    if target is not None:
+        from jaxmp._src import gpu_program  # pylint: disable=import-outside-toplevel
+        return gpu_program.gpu_program(fn, *args, target=target, **kwargs).matmul_flops()
+    call, dynamic = _array_function(fn, args, kwargs)
     with host.no_host_callbacks():  # host callbacks cannot be lowered for another platform
-        lowered = jax.jit(call).trace(dynamic).lower(lowering_platforms=(platform,))
+        lowered = jax.jit(call).trace(_unplaced(dynamic)).lower(lowering_platforms=(platform,))
     return _module_flops(lowered.as_text())
 
 
-def half_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any) -> float:
+def half_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", target: Any = None,
+                           **kwargs: Any) -> float:
     """The share of :func:`matmul_flops` in low precision: float16, bfloat16 or float8 operands.
 
     A product counts when both operands are float16, both bfloat16, or both
     float8 (of one or two float8 formats); :func:`float8_matmul_flop_share`
     counts the float8 ones alone. Returns ``0.0`` for a function with no
-    matrix products.
+    matrix products. ``target="h100"`` counts what that GPU runs instead of
+    what the step asks for (see :func:`matmul_flops`).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -281,13 +426,18 @@ def half_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", **k
         >>> jaxmp.half_matmul_flop_share(jaxmp.cast_function(f, jnp.float16), w, x)
         1.0
     """
-    return low_precision_share(matmul_flops(fn, *args, platform=platform, **kwargs))
+    return low_precision_share(matmul_flops(fn, *args, platform=platform, target=target, **kwargs))
 
 
-def float8_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", **kwargs: Any) -> float:
+def float8_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", target: Any = None,
+                             **kwargs: Any) -> float:
     """The share of :func:`matmul_flops` whose operands are both float8 (any float8 formats).
 
-    Returns ``0.0`` for a function with no matrix products.
+    Returns ``0.0`` for a function with no matrix products. Without
+    ``target`` this is the share jaxmp *asks* XLA for; with ``target="h100"``
+    (or ``"b200"``) the share that GPU runs on float8 tensor cores
+    (:func:`jaxmp.gpu_program`), which can be lower: XLA widens the float8
+    operands of some products before running them.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -301,7 +451,7 @@ def float8_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", *
         ...     jaxmp.autocast(f, jnp.bfloat16, matmul_dtype=jnp.float8_e4m3fn), w, x)
         1.0
     """
-    return float8_share(matmul_flops(fn, *args, platform=platform, **kwargs))
+    return float8_share(matmul_flops(fn, *args, platform=platform, target=target, **kwargs))
 
 
 def low_precision_share(totals: dict[str, int]) -> float:

@@ -16,7 +16,7 @@ def mp_value_and_grad(
     argnums: int | Sequence[int] = 0,
     no_cast_argnums: int | Sequence[int] = (),
     has_aux: bool = False,
-    compute_dtype: Any = jnp.float16,
+    compute_dtype: Any = jnp.bfloat16,
     use_mixed_precision: bool = True,
     axis_name: Any = None,
     autocast: bool = True,
@@ -60,10 +60,11 @@ def mp_value_and_grad(
     float16 loss with respect to itself is the scale, in float16, and from
     ``2**16`` on it is ``inf``. Floating-point aux leaves come back in float32,
     except framework state returned updated: a subtree of ``aux`` with the
-    tree structure and leaf shapes of an argument in ``no_cast_argnums``
-    (Haiku's state, Flax's ``batch_stats``, an Equinox ``State``) comes back
-    in that argument's dtypes. State carried between steps keeps its dtype,
-    whatever batch it was initialised with.
+    tree structure and leaf shapes of an argument that is not differentiated
+    (Haiku's state, Flax's ``batch_stats``, an Equinox ``State``; those in
+    ``no_cast_argnums`` first) comes back in that argument's dtypes. State
+    carried between steps keeps its dtype, whatever batch it was initialised
+    with and whatever dtype it was cast to.
 
     With ``use_mixed_precision=False`` the inputs are cast to float32, nothing
     is scaled and ``scaler_state`` is returned unchanged, with the same output
@@ -81,8 +82,10 @@ def mp_value_and_grad(
             like every input's). The state the loss returns updated in its
             aux comes back in their dtypes. They cannot overlap ``argnums``.
         has_aux: whether ``fn`` returns ``(loss, aux)``.
-        compute_dtype: ``jnp.float16`` (default), ``jnp.bfloat16`` or
-            ``jnp.float32``.
+        compute_dtype: ``jnp.bfloat16`` (default, as everywhere in jaxmp:
+            float32's range, so no loss scaling is needed),
+            ``jnp.float16`` (with a dynamic loss scale:
+            ``jaxmp.scaler_for(jnp.float16)``) or ``jnp.float32``.
         use_mixed_precision: ``False`` runs in float32 without scaling.
         axis_name: inside ``shard_map``/``pmap``, the data-parallel axis
             name(s): those the batch is split over. The loss and the gradients
@@ -129,7 +132,7 @@ def mp_value_and_grad(
         >>> def loss_fn(w, x):
         ...     return jnp.mean((x @ w) ** 2)
         >>> w, x = jnp.ones((3,)), jnp.ones((4, 3))
-        >>> state = jaxmp.init_scaler(initial_scale=1024.0)
+        >>> state = jaxmp.scaler_for(jnp.bfloat16)  # the default compute dtype: no scaling
         >>> loss, grads, state, finite = jaxmp.mp_value_and_grad(loss_fn)(
         ...     w, x, scaler_state=state)
         >>> float(loss), grads.dtype, bool(finite)
@@ -175,7 +178,8 @@ def mp_grad(fn: Callable, **options: Any) -> Callable:
     Examples:
         >>> import jax.numpy as jnp
         >>> import jaxmp
-        >>> grads, state, finite = jaxmp.mp_grad(lambda w: jnp.sum(w * w))(
+        >>> grad_fn = jaxmp.mp_grad(lambda w: jnp.sum(w * w), compute_dtype=jnp.float16)
+        >>> grads, state, finite = grad_fn(
         ...     jnp.ones(2), scaler_state=jaxmp.init_scaler(initial_scale=1024.0))
         >>> grads.tolist(), bool(finite)
         ([2.0, 2.0], True)

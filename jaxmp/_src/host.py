@@ -11,7 +11,10 @@ what it has to say from the *state the step returns*:
   loop usually donates the state to the next step) and reads them once they are
   ready: at the latest two states later, so the host never waits for the step
   it has just dispatched. When the alarm is set, the state's ``check`` says
-  why (a warning or an error). At interpreter exit the last states are read.
+  why (a warning or an error). A state that is the last for a while (a whole
+  run in one ``jit`` returns one) is read by a background thread as soon as
+  it is ready, when its check only warns. At interpreter exit the last states
+  are read.
 * :func:`call_back_if` is the callback under ``lax.cond``, for the one message
   that no returned state can carry (an optimizer update that overflows
   float16 parameters); it is traced only where that can happen.
@@ -25,16 +28,24 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import threading
 from typing import Any, Callable
 
 import jax
 import numpy as np
 
-# Checked states, oldest first: (copy of the alarm word, the check to run).
+# Checked states, oldest first: (copy of the alarm word, the check to run, whether
+# the background reader may run the check).
 _PENDING: collections.deque = collections.deque()
 # How many unread states may wait: the host dispatches the next step before it
 # reads the one just returned, and reads it at the latest this many steps later.
 MAX_PENDING = 2
+# _PENDING is read by the caller's thread and by the background reader.
+_LOCK = threading.RLock()
+_READER: list = []  # the background reader thread, while it runs
+# What a check raised in the background reader (a warning turned into an error by a
+# filter): raised by the caller's next watch or flush.
+_DEFERRED: list = []
 
 # Whether jaxmp's steps may call back to the host (the float16 update-overflow
 # message). A JAX user context, so that it is part of the trace cache key: a
@@ -48,7 +59,8 @@ def is_concrete_array(x: Any) -> bool:
     return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
 
 
-def watch(alarm: jax.Array, check: Callable[[np.ndarray], None]) -> None:
+def watch(alarm: jax.Array, check: Callable[[np.ndarray], None], *,
+          background: bool = False) -> None:
     """Reads ``alarm`` once it is computed, then calls ``check(value)`` with its value.
 
     ``alarm`` must be an array of the caller's own (computed from the state,
@@ -56,16 +68,54 @@ def watch(alarm: jax.Array, check: Callable[[np.ndarray], None]) -> None:
 
     Earlier watched alarms that are ready are read first (and raise or warn
     from here); if more than :data:`MAX_PENDING` wait, the oldest is waited for.
+    With ``background=True`` (a check that only warns), an alarm still not
+    ready is read by a background thread as soon as it is: the state of a
+    whole run inside one ``jit`` comes back once, and no later state would
+    read it before the interpreter exits.
     """
-    _PENDING.append((alarm, check))
-    while _PENDING and (len(_PENDING) > MAX_PENDING or _is_ready(_PENDING[0][0])):
-        _read(*_PENDING.popleft())
+    with _LOCK:
+        _raise_deferred()
+        _PENDING.append((alarm, check, background))
+        while _PENDING and (len(_PENDING) > MAX_PENDING or _is_ready(_PENDING[0][0])):
+            _read(*_PENDING.popleft()[:2])
+        if _PENDING and _PENDING[0][2] and not _READER:
+            reader = threading.Thread(target=_read_in_background, name="jaxmp-alarms",
+                                      daemon=True)
+            _READER.append(reader)
+            reader.start()
 
 
 def flush() -> None:
     """Reads every watched alarm now, waiting for the steps that compute them."""
-    while _PENDING:
-        _read(*_PENDING.popleft())
+    with _LOCK:
+        _raise_deferred()
+        while _PENDING:
+            _read(*_PENDING.popleft()[:2])
+
+
+def _raise_deferred() -> None:
+    if _DEFERRED:
+        raise _DEFERRED.pop(0)
+
+
+def _read_in_background() -> None:
+    """The background reader: reads the oldest alarms while their checks may run here."""
+    while True:
+        with _LOCK:
+            if not _PENDING or not _PENDING[0][2]:
+                _READER.clear()  # a check that raises is left to the caller's thread
+                return
+            alarm = _PENDING[0][0]
+        try:
+            alarm.block_until_ready()
+        except RuntimeError:
+            pass  # deleted: _read drops it
+        with _LOCK:
+            if _PENDING and _PENDING[0][0] is alarm:
+                try:
+                    _read(*_PENDING.popleft()[:2])
+                except Exception as e:  # pylint: disable=broad-except
+                    _DEFERRED.append(e)
 
 
 def _is_ready(x: jax.Array) -> bool:

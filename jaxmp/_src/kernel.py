@@ -58,9 +58,9 @@ def missing_scaler_state(api: str) -> TypeError:
     return TypeError(
         f"The function returned by {api} needs the keyword argument scaler_state=, the "
         "loss-scaling state that it returns updated. Create it once with "
-        "jaxmp.init_scaler() for float16 (dynamic loss scaling) or jaxmp.noop_scaler() for "
-        "bfloat16 and float32 (jaxmp.scaler_for(compute_dtype) picks one), and pass back "
-        "the one each step returns."
+        "jaxmp.scaler_for(compute_dtype) (for float16 a dynamic loss scaler, "
+        "jaxmp.init_scaler(); for bfloat16 and float32 none, jaxmp.noop_scaler()), and pass "
+        "back the one each step returns."
     )
 
 
@@ -180,8 +180,9 @@ def returned_state_dtypes(aux: PyTree, states: Sequence[PyTree]) -> PyTree:
     """``aux`` with its floating leaves in float32, except the framework state it returns.
 
     A subtree of ``aux`` with the tree structure and leaf shapes of one of
-    ``states`` (the arguments in ``no_cast_argnums``: Haiku state, Flax
-    ``batch_stats``, an Equinox ``State``) is that state returned updated: its
+    ``states`` (the arguments in ``no_cast_argnums``, then the other arguments
+    not differentiated: Haiku state, Flax ``batch_stats``, an Equinox
+    ``State``; a single array is never one) is that state returned updated: its
     floating leaves come back in the dtypes of the state passed in, so the new
     state can replace the old one (``jaxmp.select_tree``, ``lax.scan``) whatever
     dtype it was initialised in. Every other floating leaf comes back in float32.
@@ -232,6 +233,7 @@ class Step:
     use_mixed_precision: bool
     axis_name: Any
     reduce_dtype: Any = None
+    compute_dtype: Any = None
     # What tracing learnt, for the rest of the step and for later traces:
     # "census" once the cast-inputs path's products were counted (said once),
     # "float16_loss" whether the loss itself came out in float16.
@@ -271,20 +273,40 @@ class Step:
         reduce_dtype = sharding.check_reduce_dtype(reduce_dtype)
         if use_mixed_precision:  # under jit, XLA's gradient all-reduces in reduce_dtype
             call = sharding.widen_gradient_products(call, reduce_dtype)
+        compute_dtype = casting.canonical_float_dtype(
+            compute_dtype, allowed=casting.COMPUTE_DTYPES, what="compute_dtype")
         return cls(api=api, call=call, input_dtype=input_dtype, argnums=argnums, nums=nums,
                    no_cast_nums=no_cast, has_aux=has_aux,
                    use_mixed_precision=use_mixed_precision, axis_name=axis_name,
-                   reduce_dtype=reduce_dtype)
+                   reduce_dtype=reduce_dtype, compute_dtype=compute_dtype)
 
     @property
     def single_argnum(self) -> bool:
         return isinstance(self.argnums, int)
 
     def check_state(self, scaler_state: Any) -> loss_scale.ScalerState:
-        """The scaler state the user passed, checked once per call."""
+        """The scaler state the user passed, checked once per call.
+
+        A dynamic loss scale with bfloat16 is said, once, while tracing: it
+        rescues nothing there (bfloat16 has float32's range) and it skips the
+        steps of its first descent from ``2**15``.
+        """
         if scaler_state is REQUIRED:
             raise missing_scaler_state(self.api)
-        return loss_scale.check_scaler_state(scaler_state)
+        state = loss_scale.check_scaler_state(scaler_state)
+        if (self.use_mixed_precision and state.mode == "dynamic"
+                and self.compute_dtype == jnp.bfloat16):
+            census.warn_once(
+                ("dynamic scaler with bfloat16", self.api),
+                f"jaxmp: {self.api} computes in bfloat16 (compute_dtype=jnp.bfloat16, jaxmp's "
+                "default) with a dynamic loss scaler (jaxmp.init_scaler). bfloat16 has "
+                "float32's exponent range, so a loss scale rescues no small gradient; it only "
+                "skips steps while it backs off from its initial scale. Use "
+                "jaxmp.scaler_for(jnp.bfloat16) (no scaling; non-finite steps are still "
+                "skipped), or pass compute_dtype=jnp.float16 if you meant float16, whose "
+                "gradients do need the scale.",
+                UserWarning)
+        return state
 
     def differentiable(self, args: Sequence[Any], state: loss_scale.ScalerState
                        ) -> tuple[tuple[PyTree, ...], Callable, sharding.Plan]:
@@ -339,8 +361,9 @@ class Step:
         Floating inputs are cast to the compute dtype first, except the
         arguments in ``no_cast_argnums``. The loss is converted to float32
         *before* it is multiplied by the scale, so the product cannot overflow
-        float16; floating aux leaves come back in float32, except the state of
-        ``no_cast_argnums`` returned updated (:func:`returned_state_dtypes`).
+        float16; floating aux leaves come back in float32, except an argument
+        that is not differentiated (``no_cast_argnums`` first) returned updated
+        (:func:`returned_state_dtypes`).
         Under autocast, every half-precision floating leaf of the inputs is
         handed to the loss as an exact float32 view (``casting.widen_half``): the
         user's code and its framework's dtype checks (``lax.conv`` refuses a bfloat16
@@ -348,7 +371,13 @@ class Step:
         product in the compute dtype.
         """
         args = list(args)
-        states = [args[i] for i in self.no_cast_positions(len(args))]
+        # The state the loss may return updated: the no_cast_argnums first, then every
+        # other argument that is not differentiated (framework state a user passes without
+        # no_cast_argnums, e.g. cast to bfloat16 by hand: issue 34).
+        kept = self.no_cast_positions(len(args))
+        differentiated = set(resolve_positions(self.nums, len(args), "argnums", self.argnums))
+        states = [args[i] for i in kept] + [
+            a for i, a in enumerate(args) if i not in differentiated and i not in kept]
         if self.input_dtype is None:
             args, kwargs = casting.widen_half((args, kwargs))
         else:

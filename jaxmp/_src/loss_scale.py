@@ -25,6 +25,7 @@ host: the step itself contains no host callback, so healthy steps pay nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
@@ -33,6 +34,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import serialization
 from flax import struct
 
 from jaxmp._src import casting
@@ -134,6 +136,15 @@ class ScalerState:
             says what it means.
         alarm_step: int32 scalar, the value of ``steps`` when ``alarm`` last
             changed, so that each alarm is said once.
+        longest_skip_run: int32 scalar, the longest run of consecutive skipped
+            steps of the whole run (the largest ``overflow_streak`` so far).
+        alarm_record: int32 scalar, every alarm bit raised in the whole run
+            (``alarm`` is the current one): a stuck period that has ended
+            stays on record, so a run inside one ``jit`` (steps in a
+            ``lax.scan``), whose state comes back to the host once, still says
+            it.
+        alarm_record_step: int32 scalar, the value of ``steps`` when the
+            latest alarm was raised.
         mode: ``"dynamic"``, ``"static"`` or ``"none"`` (static field).
         growth_interval, growth_factor, backoff_factor, min_scale, max_scale,
         hysteresis: the settings (static fields).
@@ -166,6 +177,9 @@ class ScalerState:
     recent: jax.Array
     alarm: jax.Array
     alarm_step: jax.Array
+    longest_skip_run: jax.Array
+    alarm_record: jax.Array
+    alarm_record_step: jax.Array
     mode: str = struct.field(pytree_node=False, default="dynamic")
     growth_interval: int = struct.field(pytree_node=False, default=2000)
     growth_factor: float = struct.field(pytree_node=False, default=2.0)
@@ -180,7 +194,58 @@ class ScalerState:
         # Every concrete state built on the host, including each one a jitted
         # step returns, is read once its step has run (see jaxmp/_src/host.py).
         if self.on_stuck != "off" and host.is_concrete_array(self.alarm):
-            host.watch(_alarm_words(self), functools.partial(_say_alarm, self))
+            host.watch(_alarm_words(self), functools.partial(_say_alarm, self),
+                       background=self.on_stuck == "warn")
+
+
+# The array fields of a ScalerState (what a checkpoint holds), and those added after
+# its first release (the record of the whole run). A checkpoint written before has none
+# of these: it is loaded with the record started from what it holds (``_from_state_dict``).
+_ARRAY_FIELDS = tuple(f.name for f in dataclasses.fields(ScalerState)
+                      if f.metadata.get("pytree_node", True))
+_RECORD_FIELDS = ("longest_skip_run", "alarm_record", "alarm_record_step")
+
+
+def _to_state_dict(state: ScalerState) -> dict:
+    """What ``flax.serialization`` (and so a checkpoint) stores: the array fields."""
+    return {name: serialization.to_state_dict(getattr(state, name)) for name in _ARRAY_FIELDS}
+
+
+def _from_state_dict(target: ScalerState, state: dict) -> ScalerState:
+    """``flax.serialization``'s restore of a :class:`ScalerState`, old checkpoints included.
+
+    The settings come from ``target``, the arrays from ``state``. A state dict
+    without the record fields (a checkpoint from before they existed) gets them
+    from its own counters: the longest run of skips is the current one, the
+    record is the current alarm. Any other missing or unknown field is an error
+    that lists the fields.
+    """
+    state = dict(state)
+    if all(name not in state for name in _RECORD_FIELDS) and "overflow_streak" in state:
+        alarm = np.asarray(state.get("alarm", 0), np.int32)
+        state["longest_skip_run"] = np.asarray(state["overflow_streak"], np.int32)
+        state["alarm_record"] = alarm
+        state["alarm_record_step"] = np.where(
+            alarm != 0, np.asarray(state.get("alarm_step", 0), np.int32), np.int32(0))
+    missing = [name for name in _ARRAY_FIELDS if name not in state]
+    unknown = sorted(set(state) - set(_ARRAY_FIELDS))
+    if missing or unknown:
+        raise ValueError(
+            f"Cannot restore a jaxmp.ScalerState at {serialization.current_path()}: "
+            + (f"missing field(s) {', '.join(missing)}" if missing else "")
+            + ("; " if missing and unknown else "")
+            + (f"unknown field(s) {', '.join(unknown)}" if unknown else "")
+            + f". Its checkpoint holds the array fields {', '.join(_ARRAY_FIELDS)} (one "
+            f"written before the record fields {', '.join(_RECORD_FIELDS)} existed loads "
+            "without them): restore the scaler state saved with the run, onto a target made "
+            "by jaxmp.init_scaler, static_scaler or noop_scaler.")
+    return target.replace(**{
+        name: serialization.from_state_dict(getattr(target, name), state[name], name=name)
+        for name in _ARRAY_FIELDS})
+
+
+serialization.register_serialization_state(
+    ScalerState, _to_state_dict, _from_state_dict, override=True)
 
 
 def _check_number(name: str, value: Any, *, integer: bool = False) -> float | int:
@@ -221,6 +286,9 @@ def _make_state(initial_scale, mode, *, on_stuck, stuck_after, **settings) -> Sc
         recent=jnp.zeros((2,), jnp.uint32),
         alarm=jnp.zeros((), jnp.int32),
         alarm_step=jnp.zeros((), jnp.int32),
+        longest_skip_run=jnp.zeros((), jnp.int32),
+        alarm_record=jnp.zeros((), jnp.int32),
+        alarm_record_step=jnp.zeros((), jnp.int32),
         mode=mode,
         on_stuck=on_stuck,
         stuck_after=stuck_after,
@@ -418,18 +486,21 @@ def unscale(state: ScalerState, tree: PyTree) -> PyTree:
     return _apply_scale(state, tree, jnp.divide)
 
 
-def check_finite_flag(finite: Any) -> jax.Array:
-    """Returns ``finite`` as an array, raising ``ValueError`` unless it is a scalar bool."""
+def check_finite_flag(finite: Any, name: str = "finite") -> jax.Array:
+    """Returns ``finite`` as an array, raising ``ValueError`` unless it is a scalar bool.
+
+    ``name`` is the argument as the error message calls it.
+    """
     try:
         finite = jnp.asarray(finite)
     except (TypeError, ValueError):
         raise ValueError(
-            "finite must be a scalar boolean (as returned by jaxmp.all_finite or "
+            f"{name} must be a scalar boolean (as returned by jaxmp.all_finite or "
             f"jaxmp.mp_value_and_grad), got {type(finite).__name__}."
         ) from None
     if finite.shape != () or finite.dtype != jnp.bool_:
         raise ValueError(
-            "finite must be a scalar boolean (as returned by jaxmp.all_finite or "
+            f"{name} must be a scalar boolean (as returned by jaxmp.all_finite or "
             f"jaxmp.mp_value_and_grad), got an array of shape {finite.shape} and dtype "
             f"{finite.dtype}."
         )
@@ -441,18 +512,10 @@ def stuck_message(state: ScalerState, streak: int) -> str:
 
     Only the settings of ``state`` (static fields) are read.
     """
-    if state.mode == "none":
-        where = "without loss scaling"
-        cause = ("The loss or the gradients are inf/NaN whatever the step: an operation "
-                 "overflows (or divides by zero) in this precision.")
-    else:
-        where = f"at the minimum loss scale ({state.min_scale:g})"
-        cause = ("Lowering the scale cannot help: an operation overflows float16 by itself, "
-                 "typically the backward pass of a normalisation (rsqrt of a small variance), "
-                 "a softmax or a large sum computed in float16.")
     return (
         f"jaxmp: training is stuck. The last {streak} steps all had non-finite gradients "
-        f"{where} and were skipped: the parameters no longer change. {cause}\n"
+        f"{_stuck_where(state)} and were skipped: the parameters no longer change. "
+        f"{_stuck_cause(state)}\n"
         "  Find the operation:  print(jaxmp.find_nonfinite(loss_fn, compute_dtype=...)"
         "(params, *batch))  (the same options as mp_value_and_grad)\n"
         "  Then fix it with one of: autocast=True, the default of mp_value_and_grad, if you "
@@ -462,6 +525,21 @@ def stuck_message(state: ScalerState, streak: int) -> str:
         f"  (Said once per stuck run; the scaler's on_stuck='{state.on_stuck}' setting: "
         "'warn', 'raise' or 'off'.)"
     )
+
+
+def _stuck_where(state: ScalerState) -> str:
+    if state.mode == "none":
+        return "without loss scaling"
+    return f"at the minimum loss scale ({state.min_scale:g})"
+
+
+def _stuck_cause(state: ScalerState) -> str:
+    if state.mode == "none":
+        return ("The loss or the gradients are inf/NaN whatever the step: an operation "
+                "overflows (or divides by zero) in this precision.")
+    return ("Lowering the scale cannot help: an operation overflows float16 by itself, "
+            "typically the backward pass of a normalisation (rsqrt of a small variance), "
+            "a softmax or a large sum computed in float16.")
 
 
 def skips_message(state: ScalerState, skipped: int) -> str:
@@ -491,34 +569,78 @@ def _scale_words(state: ScalerState) -> str:
 def _alarm_words(state: ScalerState) -> jax.Array:
     """What the host needs to say an alarm: one row per scaler (``vmap`` makes several)."""
     skipped = (jax.lax.population_count(state.recent).astype(jnp.int32)).sum(axis=-1)
-    words = [state.alarm, state.alarm_step, state.steps, state.overflow_streak, skipped]
+    words = [state.alarm, state.alarm_step, state.steps, state.overflow_streak, skipped,
+             state.alarm_record, state.alarm_record_step, state.longest_skip_run]
     return jnp.stack([jnp.ravel(w) for w in words], axis=-1)
 
 
-# Alarms already said, as (alarm, alarm_step). A state from an earlier step
-# than one of them belongs to another run (or a run resumed from a checkpoint),
-# whose alarms are its own: seeing one forgets those.
+# Alarms already said, as (alarm, alarm_step), and the alarms of the record
+# said, as ("raised", alarm_record_step). A state from an earlier step than one
+# of them belongs to another run (or a run resumed from a checkpoint), whose
+# alarms are its own: seeing one forgets those.
 _SAID: set = set()
 
 
 def _say_alarm(settings: ScalerState, words: np.ndarray) -> None:
     """Host side: says what a state's ``alarm`` means, once per alarm.
 
-    Only the settings (static fields) of ``settings`` are read: its arrays may
-    have been donated to a later step.
+    A state whose alarm has ended since it was raised (a run inside one
+    ``jit`` comes back once, at its end) says the alarm of its record instead,
+    unless an earlier state said it already. Only the settings (static
+    fields) of ``settings`` are read: its arrays may have been donated to a
+    later step.
     """
-    for alarm, alarm_step, steps, streak, skipped in np.asarray(words).reshape(-1, 5).tolist():
+    for row in np.asarray(words).reshape(-1, 8).tolist():
+        alarm, alarm_step, steps, streak, skipped, record, record_step, longest = row
         _SAID.difference_update([key for key in _SAID if key[1] > steps])
-        if not alarm or (alarm, alarm_step) in _SAID:
-            continue
-        _SAID.add((alarm, alarm_step))
-        if alarm & STUCK:
-            message, category = stuck_message(settings, streak), TrainingStuckWarning
+        if alarm:
+            if (alarm, alarm_step) in _SAID:
+                continue
+            _SAID.update([(alarm, alarm_step), ("raised", record_step)])
+            if alarm & STUCK:
+                message, category = stuck_message(settings, streak), TrainingStuckWarning
+            else:
+                message, category = skips_message(settings, skipped), SkippedStepsWarning
+        elif record and ("raised", record_step) not in _SAID:
+            _SAID.add(("raised", record_step))
+            message = past_alarm_message(settings, record, record_step, steps, longest)
+            category = TrainingStuckWarning if record & STUCK else SkippedStepsWarning
         else:
-            message, category = skips_message(settings, skipped), SkippedStepsWarning
+            continue
         if settings.on_stuck == "raise":
             raise TrainingStuckError(message)
         warnings.warn(message, category, stacklevel=1)
+
+
+def past_alarm_message(state: ScalerState, record: int, record_step: int, steps: int,
+                       longest: int) -> str:
+    """The text a user reads when the state shows an alarm that ended before the host saw it.
+
+    Only the settings of ``state`` (static fields) are read.
+    """
+    if record & STUCK:
+        what = (f"training got stuck at step {record_step} ({state.stuck_after} steps in a row "
+                f"had non-finite gradients {_stuck_where(state)} and were skipped)")
+        cause = _stuck_cause(state)
+    else:
+        what = (f"at step {record_step}, {FREQUENT_SKIPS} or more of the last {SKIP_WINDOW} "
+                "steps had been skipped (non-finite gradients)")
+        cause = ("Overflows that keep coming back are not cured by the scale: an operation "
+                 "overflows now and then in this precision.")
+    return (
+        f"jaxmp: {what}, and had recovered by step {steps}, when this scaler state came back "
+        f"to the host. The longest run of skipped steps in this run: {longest} (the "
+        "parameters did not change during it). A run inside one jit (steps in a lax.scan) "
+        "returns its state once, so jaxmp says it now; jaxmp.scaler_metrics(state) as an "
+        f"output of the scan says at which steps. {cause}\n"
+        "  Find the operation:  print(jaxmp.find_nonfinite(loss_fn, compute_dtype=...)"
+        "(params, *batch))  on a batch whose step was skipped\n"
+        "  Then fix it with one of: jaxmp.force_full_precision around the overflowing code; "
+        "compute_dtype=jnp.bfloat16 (float32's range); autocast=True (the default of "
+        "mp_value_and_grad) rather than autocast=False.\n"
+        f"  (Said once; the scaler's on_stuck='{state.on_stuck}' setting: "
+        "'warn', 'raise' or 'off'.)"
+    )
 
 
 def adjust(state: ScalerState, finite: Any) -> ScalerState:
@@ -539,6 +661,13 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
     with what to do. Each is said once (a finite step ends a stuck run). The
     step contains no host callback: jaxmp reads the alarm from the returned
     state once the step has run, at the latest two steps later.
+
+    The state also keeps a record of the whole run: the longest run of
+    skipped steps (``longest_skip_run``) and every alarm raised
+    (``alarm_record``, ``alarm_record_step``). A run of many steps inside one
+    ``jit`` (``lax.scan`` over steps) returns its state once, at its end: a
+    stuck period that ended before then is said from the record, once.
+    :func:`scaler_metrics` gives all of it per step, as an output of the scan.
 
     Args:
         state: a :class:`ScalerState`.
@@ -596,7 +725,10 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
         stuck = (streak >= state.stuck_after) & (new_scale <= floor)
         n_skipped = jax.lax.population_count(recent).astype(jnp.int32).sum(axis=-1)
         alarm = (jnp.where(stuck, STUCK, 0) | jnp.where(n_skipped >= FREQUENT_SKIPS, FREQUENT, 0))
+    alarm = jnp.asarray(alarm, jnp.int32)
     alarm_step = jnp.where(alarm != state.alarm, steps, state.alarm_step)
+    # The record of the whole run: what a run read once, at its end, must still say.
+    raised = (alarm & ~state.alarm) != 0
     return state.replace(
         scale=new_scale,
         steps_since_overflow=since.astype(jnp.int32),
@@ -604,8 +736,11 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
         skipped_steps=skipped.astype(jnp.int32),
         steps=steps.astype(jnp.int32),
         recent=recent,
-        alarm=jnp.asarray(alarm, jnp.int32),
+        alarm=alarm,
         alarm_step=alarm_step.astype(jnp.int32),
+        longest_skip_run=jnp.maximum(state.longest_skip_run, streak).astype(jnp.int32),
+        alarm_record=state.alarm_record | alarm,
+        alarm_record_step=jnp.where(raised, steps, state.alarm_record_step).astype(jnp.int32),
     )
 
 
@@ -691,14 +826,42 @@ def all_finite(tree: PyTree, axis_name: Any = None) -> jax.Array:
 def scaler_metrics(state: ScalerState) -> dict[str, jax.Array]:
     """A flat dict of the scaler's scalars, for a metrics logger.
 
-    Works inside ``jit``; outside, ``jax.device_get`` of the dict gives NumPy
+    Works inside ``jit`` and as an output of a ``lax.scan`` over steps (one
+    value per step); outside, ``jax.device_get`` of the dict gives NumPy
     scalars and ``{k: v.item() ...}`` plain Python numbers.
+
+    Keys: ``loss_scale``; ``skipped_steps`` (in the whole run);
+    ``steps_since_overflow``; ``overflow_streak`` (consecutive skipped steps
+    up to this one); ``longest_skip_run`` (the longest such run so far);
+    ``alarm``, what is going wrong at this step: 0 nothing, 1 stuck (every
+    step overflows at the minimum scale), 2 frequent skips (a third of the
+    last 64 steps), 3 both.
 
     Examples:
         >>> import jaxmp
         >>> m = jaxmp.scaler_metrics(jaxmp.init_scaler(initial_scale=4.0))
-        >>> {k: v.item() for k, v in m.items()}
-        {'loss_scale': 4.0, 'skipped_steps': 0, 'steps_since_overflow': 0, 'overflow_streak': 0}
+        >>> {k: v.item() for k, v in m.items()}  # doctest: +NORMALIZE_WHITESPACE
+        {'loss_scale': 4.0, 'skipped_steps': 0, 'steps_since_overflow': 0, 'overflow_streak': 0,
+         'longest_skip_run': 0, 'alarm': 0}
+
+        Per step, from a run inside one ``jit`` that gets stuck and recovers
+        (said once, when the final state comes back):
+
+        >>> import warnings
+        >>> import jax, jax.numpy as jnp
+        >>> def step(state, finite):
+        ...     state = jaxmp.adjust(state, finite)
+        ...     return state, jaxmp.scaler_metrics(state)
+        >>> state = jaxmp.init_scaler(initial_scale=4.0, stuck_after=3)
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     final, per_step = jax.jit(lambda s, f: jax.lax.scan(step, s, f))(
+        ...         state, jnp.array([False] * 5 + [True] * 2))
+        ...     _ = jax.block_until_ready(final)
+        >>> per_step["alarm"].tolist(), per_step["longest_skip_run"].tolist()
+        ([0, 0, 1, 1, 1, 0, 0], [1, 2, 3, 4, 5, 5, 5])
+        >>> [type(w.message).__name__ for w in caught]
+        ['TrainingStuckWarning']
     """
     check_scaler_state(state)
     return {
@@ -706,6 +869,8 @@ def scaler_metrics(state: ScalerState) -> dict[str, jax.Array]:
         "skipped_steps": state.skipped_steps,
         "steps_since_overflow": state.steps_since_overflow,
         "overflow_streak": state.overflow_streak,
+        "longest_skip_run": state.longest_skip_run,
+        "alarm": state.alarm,
     }
 
 

@@ -48,6 +48,11 @@ class LowPrecisionState:
     transformation, not here: this holds only numbers, so it checkpoints and
     crosses ``jit``/``lax.scan`` like any optax state.
 
+    Reading a field that this class does not have reads it from ``inner``:
+    ``state.gradient_step`` of a wrapped ``optax.MultiSteps``,
+    ``state.hyperparams`` of ``optax.inject_hyperparams``. (Writing goes to
+    ``state.replace(inner=...)``, as for any state.)
+
     Attributes:
         inner: the inner optimizer's state. Its floating-point array leaves
             with at least one dimension are stored in ``state_dtype``; scalar
@@ -69,11 +74,32 @@ class LowPrecisionState:
         >>> state = tx.init({"w": jnp.zeros(3, jnp.bfloat16)})
         >>> state.inner[0].mu["w"].dtype, state.compensation["w"].dtype, state.key
         (dtype(bfloat16), dtype(bfloat16), None)
+        >>> multi = jaxmp.low_precision_optimizer(optax.MultiSteps(optax.adam(1e-3), 4))
+        >>> int(multi.init({"w": jnp.zeros(3, jnp.bfloat16)}).gradient_step)  # the inner field
+        0
     """
 
     inner: PyTree
     key: Any
     compensation: PyTree
+
+    def __getattr__(self, name: str) -> Any:
+        """Reads of the inner state's fields, as if it were the inner state itself.
+
+        ``state.gradient_step`` (``optax.MultiSteps``), ``state.hyperparams``
+        (``optax.inject_hyperparams``), ``state.count``: code written for the
+        wrapped optimizer's state keeps working (called only for names this
+        class does not have).
+        """
+        if name.startswith("__") or name in ("inner", "key", "compensation"):
+            raise AttributeError(name)  # copy, pickle and a half-built state: no forwarding
+        inner = self.inner
+        try:
+            return getattr(inner, name)
+        except AttributeError:
+            raise AttributeError(
+                f"'LowPrecisionState' object has no attribute {name!r}, nor has the state of "
+                f"the optimizer it wraps ({type(inner).__name__}, in .inner).") from None
 
 
 # ---------------------------------------------------------------------------

@@ -128,7 +128,8 @@ class Finding(NamedTuple):
         >>> import jax.numpy as jnp
         >>> import jaxmp
         >>> loss_fn = lambda w: jnp.log(jnp.sum(jnp.exp(w)))
-        >>> finding = jaxmp.find_nonfinite(loss_fn, autocast=False)(jnp.full((2,), 12.0)).findings[0]
+        >>> find = jaxmp.find_nonfinite(loss_fn, jnp.float16, autocast=False)
+        >>> finding = find(jnp.full((2,), 12.0)).findings[0]
         >>> finding.phase, finding.kind, finding.primitive, finding.float32_max > 65504
         ('forward', 'overflow', 'exp', True)
     """
@@ -169,7 +170,7 @@ class NonfiniteReport(NamedTuple):
         >>> import jaxmp
         >>> report = jaxmp.find_nonfinite(lambda w: jnp.mean(w * w))(jnp.ones(3))
         >>> bool(report), len(report.findings), report.compute_dtype, report.loss
-        (False, 0, 'float16', 1.0)
+        (False, 0, 'bfloat16', 1.0)
     """
 
     findings: tuple[Finding, ...]
@@ -744,7 +745,7 @@ def _collect(shadow: _Shadow, phase_of: Callable, scale: float, half: np.dtype,
 
 def find_nonfinite(
     loss_fn: Callable,
-    compute_dtype: Any = jnp.float16,
+    compute_dtype: Any = jnp.bfloat16,
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     autocast: bool = True,
@@ -797,7 +798,9 @@ def find_nonfinite(
 
     Args:
         loss_fn: the loss function, as given to :func:`jaxmp.mp_value_and_grad`.
-        compute_dtype: ``jnp.float16`` (default) or ``jnp.bfloat16``.
+        compute_dtype: ``jnp.bfloat16`` (default, as everywhere in jaxmp) or
+            ``jnp.float16``: the dtype the step trains in (a float16 step that
+            gets stuck is checked with ``jnp.float16``).
         argnums: the differentiated positional arguments.
         has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
         autocast: check ``jaxmp.autocast(loss_fn)`` (the default, as in
@@ -843,7 +846,8 @@ def find_nonfinite(
         >>> def loss_fn(w, x):
         ...     return jnp.mean(jnp.exp(x @ w))
         >>> w, x = jnp.full((4,), 3.0), jnp.ones((2, 4))
-        >>> report = jaxmp.find_nonfinite(loss_fn, autocast=False)(w, x)  # inputs cast: exp(12) > 65504
+        >>> # float16, inputs cast (autocast=False): exp(12) > 65504
+        >>> report = jaxmp.find_nonfinite(loss_fn, jnp.float16, autocast=False)(w, x)
         >>> bool(report), report.findings[0].phase, report.findings[0].primitive
         (True, 'forward', 'exp')
 
@@ -853,7 +857,7 @@ def find_nonfinite(
         ...     h = x @ w
         ...     return jnp.mean((h - jax.lax.pmean(h, "batch")) ** 2)
         >>> find = jaxmp.find_nonfinite(
-        ...     centred_loss, axis_name="batch",
+        ...     centred_loss, jnp.float16, axis_name="batch",
         ...     mapped=lambda f: jax.vmap(f, in_axes=(None, 0), axis_name="batch"))
         >>> report = find(jnp.full((4, 2), 100.0), jnp.arange(12.0).reshape(3, 4) * 50)
         >>> report.findings[0].kind, report.findings[0].primitive, report.loss_float32 > 65504
@@ -868,12 +872,14 @@ def find_nonfinite(
         ...     return jnp.mean((h - jax.lax.pmean(jnp.mean(h, 0), "batch")) ** 2)
         >>> n = jax.local_device_count()
         >>> x = jnp.arange(12.0 * n).reshape(n, 3, 4) * 50
-        >>> find = jaxmp.find_nonfinite(device_loss, axis_name="batch", mapped=lambda f: jax.pmap(
-        ...     f, axis_name="batch", in_axes=(None, 0)))
+        >>> find = jaxmp.find_nonfinite(
+        ...     device_loss, jnp.float16, axis_name="batch",
+        ...     mapped=lambda f: jax.pmap(f, axis_name="batch", in_axes=(None, 0)))
         >>> find(jnp.full((4, 2), 100.0), x).findings[0].primitive
         'dot_general'
         >>> batch = x.reshape(-1, 4)
-        >>> find = jaxmp.find_nonfinite(lambda w: device_loss(w, batch), axis_name="batch")
+        >>> find = jaxmp.find_nonfinite(lambda w: device_loss(w, batch), jnp.float16,
+        ...                             axis_name="batch")
         >>> find(jnp.full((4, 2), 100.0)).findings[0].primitive
         'dot_general'
     """

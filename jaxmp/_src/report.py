@@ -62,6 +62,13 @@ _REASONS = {
         "its operands are {dtypes}, made by your code{origin}",
         "run the step under autocast (mp_value_and_grad's default), or cast that value "
         "(e.g. the layer's dtype=) to {compute}"),
+    "outside": census._Why(
+        "it is outside the functions jaxmp runs under autocast (the loss given to "
+        "mp_value_and_grad, a function given to jaxmp.autocast), so it runs as your code "
+        "wrote it, on {dtypes} operands{origin}",
+        "nothing, if it is meant to stay wide (a rollout's or an evaluation's forward pass "
+        "is often cheap); to run it in {compute} too, call the code that makes it through "
+        "jaxmp.autocast(fn, compute_dtype)"),
 }
 # Where a wide operand made by the user's code comes from, when the program shows it.
 _ORIGINS = {
@@ -104,7 +111,9 @@ class Wider(NamedTuple):
         flops: their FLOPs.
         reason: why: ``"kept"`` (your :class:`jaxmp.Float8Rules`), ``"user"``
             (an operand your code made: a layer with its own dtype, a value
-            captured by a closure), ``"operand"`` / ``"float8_operand"`` /
+            captured by a closure), ``"outside"`` (a product outside the
+            functions autocast runs, in a step where autocast runs others: a
+            rollout's forward pass), ``"operand"`` / ``"float8_operand"`` /
             ``"custom_rule"`` (not supported: a non-floating operand, one float8
             operand, a function with its own derivative rule) or ``"rules"``
             (the autocast rules leave the primitive out of ``low_precision``).
@@ -134,12 +143,17 @@ class PrecisionReport(NamedTuple):
         wider: ``Wider(layer, phase, dtype, flops, reason, says, fix, where)``
             named tuples, one per layer path, pass, dtype and reason whose
             products are not in the requested precision; ``reason`` is
-            ``"user"`` (an operand your code made wider), ``"kept"`` (your
+            ``"user"`` (an operand your code made wider), ``"outside"`` (outside
+            the functions autocast runs), ``"kept"`` (your
             :class:`jaxmp.Float8Rules`), ``"rules"`` (left out of the autocast
             rules' ``low_precision``), ``"operand"``, ``"float8_operand"`` or
             ``"custom_rule"`` (not supported); ``where`` is your file and line.
         requested: the precision asked for (``"bfloat16"``, ``"float8"``, or
             ``"half precision"`` when no dtype was given).
+        compiled: with ``precision_report(..., target="h100")``, the
+            :class:`jaxmp.GpuProgram` of the step compiled for that GPU (what it
+            runs: XLA may widen products the rows above count in float8);
+            ``None`` otherwise.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -156,6 +170,7 @@ class PrecisionReport(NamedTuple):
     layers: tuple
     wider: tuple
     requested: str
+    compiled: Any = None
 
     @property
     def totals(self) -> dict:
@@ -197,6 +212,8 @@ class PrecisionReport(NamedTuple):
                                      subsequent_indent="    ")
                 out += textwrap.wrap(f"Fix: {w.fix}.", 96, initial_indent="    ",
                                      subsequent_indent="      ")
+        if self.compiled is not None:
+            out += ["", *_compiled_lines(self.compiled)]
         return "\n".join(out)
 
     def __str__(self) -> str:
@@ -230,6 +247,26 @@ class PrecisionReport(NamedTuple):
         if path is not None:
             fig.savefig(path)
         return fig
+
+
+def _compiled_lines(program) -> list[str]:
+    """What the GPU runs of the step, for :meth:`PrecisionReport.table`."""
+    totals = program.matmul_flops()
+    total = sum(totals.values())
+    lines = [f"On {program.target.description}, as XLA compiles the step (the rows above are "
+             f"the program before XLA): {_count(total)} matrix-product FLOPs, float8 on "
+             f"tensor cores {census._percent(program.float8_native_share)}, half precision "
+             f"{census._percent(diagnostics.low_precision_share(totals) - diagnostics.float8_share(totals))}"]
+    wider: dict = {}
+    for p in program.products:
+        if p.widened or not p.tensor_cores:
+            key = (p.kind, p.how, p.lhs, p.rhs, p.location or p.op_name)
+            wider[key] = wider.get(key, 0) + p.flops * p.runs
+    if wider:
+        lines.append("  Products XLA widened or runs without tensor cores:")
+    for (kind, how, lhs, rhs, where), flops in wider.items():
+        lines.append(f"    {_count(flops)} FLOPs: {kind} as {how} on {lhs} x {rhs} at {where}")
+    return lines
 
 
 def _count(n: int) -> str:
@@ -387,7 +424,9 @@ def _why(program: _Program, eqn, enclosing: tuple, name_stack: str, key: str,
     if any(_widens(c) for c in program.autocast_converts(eqn)) or (
             program.cast_by_autocast and eqn.primitive.name not in program.cast_by_autocast):
         return "rules"
-    return "user"
+    # Inside a function autocast runs, every product of this primitive has its operands
+    # cast (or a reason above): one with none, where autocast casts others, is outside it.
+    return "outside" if program.cast_by_autocast else "user"
 
 
 def _explain(why: str, eqn, enclosing: tuple, program: _Program, compute: np.dtype | None,
@@ -399,7 +438,7 @@ def _explain(why: str, eqn, enclosing: tuple, program: _Program, compute: np.dty
                   compute=compute.name if compute is not None else "half precision",
                   rule=census._CUSTOM_RULES[custom[-1]] if custom else "jax.custom_vjp",
                   origin="")
-    if why == "user":
+    if why in ("user", "outside"):
         kind, where = program.origin_of(eqn)
         same = where == source.user_location(eqn, enclosing)
         where = "on that line" if same else f"at {where}"
@@ -475,7 +514,8 @@ def _report(closed, compute: np.dtype | None, matmul: np.dtype | None) -> Precis
 
 
 def precision_report(fn: Callable, *args: Any, compute_dtype: Any = None,
-                     matmul_dtype: Any = None, **kwargs: Any) -> PrecisionReport:
+                     matmul_dtype: Any = None, target: Any = None,
+                     **kwargs: Any) -> PrecisionReport:
     """Per layer, the matrix-product FLOPs of a step by dtype, and why some are wider.
 
     ``fn`` (a training step, or a loss) is traced with the given arguments
@@ -485,13 +525,15 @@ def precision_report(fn: Callable, *args: Any, compute_dtype: Any = None,
     paths, Equinox's), forward and backward products apart (a backward product
     is the transpose of a forward one; it keeps the forward product's names).
     FLOPs are ``2 *`` multiply-adds, by operand dtype as
-    :func:`jaxmp.matmul_flops` names them, with the same totals (except
-    inside a ``scan``, counted here once per iteration).
+    :func:`jaxmp.matmul_flops` names them, with the same totals: a
+    ``scan``'s body (and a counted ``while`` loop's) once per iteration.
 
     Each product not in the requested precision is listed with the line of
     your code it comes from and why: kept by your :class:`jaxmp.Float8Rules`;
     an operand your code made wider (a layer with ``dtype=jnp.float32``, a
-    batch captured by a closure, an argument that is not cast); not
+    batch captured by a closure, an argument that is not cast); outside the
+    functions jaxmp runs under autocast (a rollout's forward pass beside the
+    loss of ``mp_value_and_grad``); not
     supported (an integer operand, a function with its own derivative rule,
     run as written); or left out of the autocast rules' ``low_precision``.
 
@@ -505,6 +547,10 @@ def precision_report(fn: Callable, *args: Any, compute_dtype: Any = None,
         matmul_dtype: a float8 dtype when the step runs its products in
             float8 (``autocast(..., matmul_dtype=...)``): products not in
             float8 are then listed.
+        target: ``None``, or a GPU target (``"h100"``, ``"b200"``): the step is
+            also compiled for it (:func:`jaxmp.gpu_program`, no GPU needed, JAX's
+            CUDA plugin needed) and the report says what that GPU runs, which
+            may be wider than the rows (XLA widens some float8 products).
         **kwargs: keyword arguments of ``fn`` (``scaler_state=``...).
 
     Returns:
@@ -527,6 +573,8 @@ def precision_report(fn: Callable, *args: Any, compute_dtype: Any = None,
         >>> report.wider
         ()
     """
+    casting.check_function(fn, "jaxmp.precision_report",
+                           "precision_report(fn, *args, compute_dtype=None, **kwargs)")
     compute = None
     if compute_dtype is not None:
         compute = casting.canonical_float_dtype(compute_dtype, allowed=casting.COMPUTE_DTYPES,
@@ -535,10 +583,9 @@ def precision_report(fn: Callable, *args: Any, compute_dtype: Any = None,
     if matmul_dtype is not None:
         matmul = float8.check_matmul_dtype(matmul_dtype, compute if compute is not None
                                            else np.dtype("float32"))
-    dynamic, static = casting.partition((args, kwargs), diagnostics._is_dynamic)
-
-    def call(dynamic):
-        call_args, call_kwargs = casting.combine(dynamic, static)
-        return diagnostics._arrays(fn(*call_args, **call_kwargs))
-
-    return _report(jax.make_jaxpr(call)(dynamic), compute, matmul)
+    call, dynamic = diagnostics._array_function(fn, args, kwargs)
+    report = _report(jax.make_jaxpr(call)(dynamic), compute, matmul)
+    if target is None:
+        return report
+    from jaxmp._src import gpu_program  # pylint: disable=import-outside-toplevel
+    return report._replace(compiled=gpu_program.gpu_program(fn, *args, target=target, **kwargs))

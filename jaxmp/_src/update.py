@@ -41,7 +41,7 @@ def select_tree(pred: Any, on_true: PyTree, on_false: PyTree) -> PyTree:
         >>> jaxmp.select_tree(jnp.asarray(False), new, old)["a"].tolist()
         [0.0, 0.0]
     """
-    pred = loss_scale.check_finite_flag(pred)
+    pred = loss_scale.check_finite_flag(pred, "select_tree(pred, on_true, on_false): pred")
     arrays, numbers = (jax.Array, np.ndarray, np.generic), (int, float, complex)
 
     def leaf(path, t, f):
@@ -184,6 +184,7 @@ def optimizer_update(
         >>> new["w"].tolist(), bool(applied)
         ([60000.0, 60000.0], False)
     """
+    _check_update_arguments(params, optimizer, opt_state)
     finite = loss_scale.check_finite_flag(finite)
     if not isinstance(return_applied, bool):
         raise TypeError(f"return_applied must be True or False, got {return_applied!r}.")
@@ -199,7 +200,11 @@ def optimizer_update(
     # float decay raised to an int32 step count). Allow it for the optimizer
     # alone, so users who trace under strict promotion can still use optax.
     with jax.numpy_dtype_promotion("standard"):
-        updates, new_opt_state = optimizer.update(grads, opt_state, floats, **extra_args)
+        try:
+            updates, new_opt_state = optimizer.update(grads, opt_state, floats, **extra_args)
+        except (ValueError, TypeError) as e:
+            _raise_if_grads_do_not_match(grads, floats, e)
+            raise
         new_floats = optax.apply_updates(floats, updates)
     if check_update is None:
         check_update = _has_dtype((floats, new_opt_state), (jnp.float16, jnp.bfloat16))
@@ -216,6 +221,42 @@ def optimizer_update(
     if return_applied:
         return params, opt_state, applied
     return params, opt_state
+
+
+_SIGNATURE = "optimizer_update(params, optimizer, opt_state, grads, finite)"
+
+
+def _is_transformation(x: Any) -> bool:
+    """Whether ``x`` is an optax transformation (or behaves as one: ``init`` and ``update``)."""
+    return callable(getattr(x, "init", None)) and callable(getattr(x, "update", None))
+
+
+def _check_update_arguments(params: PyTree, optimizer: Any, opt_state: PyTree) -> None:
+    """Raises ``TypeError`` naming the argument in the wrong place, before optax fails on it."""
+    if _is_transformation(optimizer):
+        return
+    where = ""
+    if _is_transformation(opt_state):
+        where = " It is in the place of opt_state (the third): optimizer and opt_state are swapped."
+    elif _is_transformation(params):
+        where = " It is in the place of params (the first): the parameters come first."
+    raise TypeError(
+        f"jaxmp.optimizer_update: the second argument must be the optax optimizer (e.g. "
+        f"optax.adam(1e-3)), got {casting.describe(optimizer)}.{where} The arguments are "
+        f"{_SIGNATURE}.")
+
+
+def _raise_if_grads_do_not_match(grads: PyTree, floats: PyTree, error: Exception) -> None:
+    """Re-raises an optimizer's failure as what it is when ``grads`` do not match ``params``."""
+    is_none = lambda x: x is None
+    mine = jax.tree_util.tree_structure(grads, is_leaf=is_none)
+    theirs = jax.tree_util.tree_structure(floats, is_leaf=is_none)
+    if mine != theirs:
+        raise ValueError(
+            "jaxmp.optimizer_update: grads do not have the structure of params (their "
+            "floating-point leaves, None elsewhere, as jaxmp.mp_value_and_grad returns them): "
+            f"grads are {mine}, params {theirs}. The arguments are {_SIGNATURE}; are grads "
+            "and params swapped, or grads of other arguments (argnums)?") from error
 
 
 def _has_dtype(tree: PyTree, dtypes: tuple) -> bool:

@@ -1,0 +1,300 @@
+"""What an H100 or B200 runs of jaxmp's training steps, compiled here without a GPU.
+
+For each model (``gpt``: the GPT-style decoder of ``benchmarks/models.py``,
+width 1024, 2 blocks, 16 heads, sequence 1024, batch 8, vocabulary 32768;
+``resnet``: its small ResNet, 32x32x3 images, stages 64/128/256, batch 128)
+and each variant of one training step (gradient + Adam update, the state
+donated):
+
+* ``float32``: ``jax.value_and_grad`` on float32 parameters;
+* ``bf16_hand``: bfloat16 written by hand: the float32 parameters (and images)
+  cast to bfloat16 inside the loss; the models keep layer-norm and batch-norm
+  statistics, the softmax and the loss in float32, as experts write them; no
+  finiteness check;
+* ``bf16_jaxmp``: ``jaxmp.mp_value_and_grad(loss, compute_dtype=jnp.bfloat16)``
+  (jaxmp's default: autocast, finiteness check) and ``jaxmp.optimizer_update``;
+* ``f16_jaxmp``: the same in float16 (dynamic loss scaling);
+* ``fp8_jaxmp``: ``bf16_jaxmp`` with ``matmul_dtype=jnp.float8_e4m3fn``
+  (per-tensor scaling);
+* ``mxfp8_jaxmp``: the same with ``float8_scaling="mxfp8"``,
+
+it compiles the step for each target (``h100``: sm_90, ``b200``: sm_100) with
+:func:`jaxmp.gpu_program` (JAX's CUDA plugin, no GPU; XLA's default settings,
+no autotuning) and prints and saves the census of the optimized program: how
+every matrix product and convolution is compiled and on which operand types,
+the float8-native share of product FLOPs, kernels launched, bytes written and
+read, XLA's scratch memory and the estimated step time.
+
+``--calibrate DIR --measured FILE`` instead reads optimized HLO files compiled
+on a real GPU (``DIR/<model>_<variant>.hlo``) and step times measured there
+(JSON lines with ``model``, ``variant``, ``step_ms_median``, as
+``gpu_check.sh`` writes them) and prints the estimate against the measurement.
+
+Usage::
+
+    python -m benchmarks.gpu_program --target h100,b200 --out results/gpu_program
+    python -m benchmarks.gpu_program --target h100 --out results/gpu_program-quick --quick
+    python -m benchmarks.gpu_program --calibrate gc/hlo --measured gc/results.jsonl
+
+Needs JAX's CUDA plugin (``pip install -e ".[gpu-compile]"``) and
+``JAX_PLATFORMS=cpu`` on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import jaxmp
+from benchmarks import models
+
+VARIANTS = ("float32", "bf16_hand", "bf16_jaxmp", "f16_jaxmp", "fp8_jaxmp", "mxfp8_jaxmp")
+MODELS = ("gpt", "resnet")
+TARGETS = ("h100", "b200")
+
+# jaxmp's options for each of its variants: a new variant is a new row.
+_JAXMP = {
+    "bf16_jaxmp": {"compute_dtype": jnp.bfloat16},
+    "f16_jaxmp": {"compute_dtype": jnp.float16},
+    "fp8_jaxmp": {"compute_dtype": jnp.bfloat16, "matmul_dtype": jnp.float8_e4m3fn},
+    "mxfp8_jaxmp": {"compute_dtype": jnp.bfloat16, "matmul_dtype": jnp.float8_e4m3fn,
+                    "float8_scaling": "mxfp8"},
+}
+
+
+def _cast_floats(tree, dtype):
+    return jax.tree_util.tree_map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def make_step(loss: Callable, variant: str, optimizer=None) -> tuple[Callable, Callable]:
+    """``(init, step)`` of a variant: ``init(params) -> state``, ``step(state, *batch) ->
+    (state, loss)``; ``loss(params, *batch)`` is the float32 model's loss."""
+    optimizer = optimizer or optax.adam(1e-4)
+    if variant in ("float32", "bf16_hand"):
+        if variant == "float32":
+            value_and_grad = jax.value_and_grad(loss)
+        else:
+            value_and_grad = jax.value_and_grad(
+                lambda p, *batch: loss(_cast_floats(p, jnp.bfloat16),
+                                       *_cast_floats(batch, jnp.bfloat16)))
+
+        def init(params):
+            return {"params": params, "opt_state": optimizer.init(params)}
+
+        def step(state, *batch):
+            value, grads = value_and_grad(state["params"], *batch)
+            with jax.numpy_dtype_promotion("standard"):  # optax relies on it internally
+                updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+                params = optax.apply_updates(state["params"], updates)
+            return {"params": params, "opt_state": opt_state}, value
+
+        return init, step
+    if variant not in _JAXMP:
+        raise ValueError(f"unknown variant {variant!r}; the variants are {VARIANTS}")
+    options = _JAXMP[variant]
+    grad_fn = jaxmp.mp_value_and_grad(loss, **options)
+
+    def init(params):
+        return {"params": params, "opt_state": optimizer.init(params),
+                "scaler": jaxmp.scaler_for(options["compute_dtype"])}
+
+    def step(state, *batch):
+        value, grads, scaler, finite = grad_fn(state["params"], *batch,
+                                               scaler_state=state["scaler"])
+        params, opt_state = jaxmp.optimizer_update(state["params"], optimizer,
+                                                   state["opt_state"], grads, finite)
+        return {"params": params, "opt_state": opt_state, "scaler": scaler}, value
+
+    return init, step
+
+
+def model(name: str, quick: bool = False, depth: int | None = None):
+    """``(loss, init_params, batch shapes, config)`` of a model of ``benchmarks/models.py``."""
+    if name == "gpt":
+        config = models.GPT_TINY if quick else models.GPT_2L
+        if depth is not None:
+            config = dataclasses.replace(config, depth=depth)
+        return (functools.partial(models.gpt_loss, config=config),
+                functools.partial(models.init_gpt, config=config), models.gpt_batch(config),
+                config)
+    if name == "resnet":
+        config = models.RESNET_TINY if quick else models.RESNET_SMALL
+        return (functools.partial(models.resnet_loss, config=config),
+                functools.partial(models.init_resnet, config=config),
+                models.resnet_batch(config), config)
+    raise ValueError(f"unknown model {name!r}; the models are {MODELS}")
+
+
+def compile_step(model_name: str, variant: str, target: str, quick: bool = False,
+                 depth: int | None = None) -> jaxmp.GpuProgram:
+    """The :class:`jaxmp.GpuProgram` of one training step (nothing is allocated)."""
+    loss, init_params, batch, _ = model(model_name, quick, depth)
+    init, step = make_step(loss, variant)
+    state = jax.eval_shape(lambda: init(init_params(jax.random.key(0))))
+    return jaxmp.gpu_program(jax.jit(step, donate_argnums=0), state, *batch, target=target)
+
+
+def how_compiled(program: jaxmp.GpuProgram) -> str:
+    """The products in a few words: ``39 bf16 GEMMs``, ``20 fp8 cuDNN convs, 12 f32...``."""
+    groups: dict[str, int] = {}
+    for p in program.products:
+        noun = "conv" if p.kind.startswith("convolution") else "GEMM"
+        if not p.tensor_cores:
+            noun = f"{p.kind}s in loop fusions"
+        else:
+            noun = f"{p.engine} {noun}s"
+        lhs, rhs = (t.replace("f8e4m3fn", "e4m3").replace("f8e5m2", "e5m2")
+                    for t in (p.lhs, p.rhs))
+        types = lhs if lhs == rhs else f"{lhs} x {rhs}"
+        if p.float8_native:
+            types = "fp8"
+        groups[f"{types} {noun}"] = groups.get(f"{types} {noun}", 0) + p.runs
+    return ", ".join(f"{n} {k}" for k, n in sorted(groups.items(), key=lambda kv: -kv[1]))
+
+
+def row(model_name: str, variant: str, target: str, program: jaxmp.GpuProgram,
+        seconds: float) -> dict[str, Any]:
+    """One result: the census and how long compiling took."""
+    return {"model": model_name, "variant": variant, "target": target,
+            "compile_s": round(seconds, 1), "products_as_compiled": how_compiled(program),
+            **program.summary()}
+
+
+def table(rows: list[dict]) -> str:
+    """A Markdown table of the results, one line per model, variant and target."""
+    head = ("| model | variant | target | products as compiled | float8-native FLOPs | kernels "
+            "| written GiB | read GiB | XLA temp MiB | est. ms |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        share = (f"{100 * r['float8_native_share']:.0f}%" if r["requested_float8_share"]
+                 else "–")
+        if r["requested_float8_share"] and r["float8_native_share"] < r["requested_float8_share"]:
+            share = f"**{share}** (asked {100 * r['requested_float8_share']:.0f}%)"
+        lines.append(
+            f"| {r['model']} | {r['variant']} | {r['target']} | {r['products_as_compiled']} | "
+            f"{share} | {r['kernels']} | {r['bytes_written'] / 2**30:.2f} | "
+            f"{r['bytes_read'] / 2**30:.2f} | {(r['temp_bytes'] or 0) / 2**20:.0f} | "
+            f"{r['estimated_ms']:.2f} |")
+    return "\n".join(lines)
+
+
+def machine() -> dict[str, Any]:
+    return {"python": platform.python_version(), "jax": jax.__version__,
+            "cpus": os.cpu_count(), "host": platform.machine(),
+            "platforms": os.environ.get("JAX_PLATFORMS", "")}
+
+
+def run(args) -> list[dict]:
+    os.makedirs(args.out, exist_ok=True)
+    hlo_dir = os.path.join(args.out, "hlo")
+    os.makedirs(hlo_dir, exist_ok=True)
+    rows = []
+    print(json.dumps(machine()), flush=True)
+    with open(os.path.join(args.out, "results.jsonl"), "w") as out:
+        for model_name in args.models:
+            for target in args.target:
+                for variant in args.variants:
+                    start = time.perf_counter()
+                    program = compile_step(model_name, variant, target, args.quick, args.depth)
+                    seconds = time.perf_counter() - start
+                    result = row(model_name, variant, target, program, seconds)
+                    rows.append(result)
+                    print(f"=== {model_name} / {variant} / {target} (compiled in {seconds:.0f} s)")
+                    print(program, flush=True)
+                    out.write(json.dumps(result) + "\n")
+                    out.flush()
+                    if args.save_hlo:
+                        with open(os.path.join(hlo_dir, f"{model_name}_{variant}_{target}.hlo"),
+                                  "w") as f:
+                            f.write(program.text)
+    text = table(rows)
+    print(text)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(f"{json.dumps(machine())}\n\n{text}\n")
+    return rows
+
+
+def calibrate(hlo_dir: str, measured_file: str, target: str = "h100") -> list[dict]:
+    """The estimate of each HLO file compiled on a GPU against the step time measured there."""
+    rows = []
+    with open(measured_file) as f:
+        measured = [json.loads(line) for line in f if line.strip()]
+    for m in measured:
+        path = os.path.join(hlo_dir, f"{m['model']}_{m['variant']}.hlo")
+        if m.get("step_ms_median") is None or not os.path.exists(path):
+            continue
+        with open(path) as f:
+            program = jaxmp.GpuProgram.from_hlo(f.read(), target)
+        estimate = 1e3 * program.estimated_seconds
+        rows.append({"model": m["model"], "variant": m["variant"],
+                     "measured_ms": m["step_ms_median"], "estimated_ms": round(estimate, 2),
+                     "roofline_ms": round(1e3 * program.roofline_seconds, 2),
+                     "ratio": round(estimate / m["step_ms_median"], 3),
+                     "kernels": program.launches,
+                     "written_GiB": round(program.bytes_written / 2**30, 2),
+                     "read_GiB": round(program.bytes_read / 2**30, 2)})
+    print("| model | variant | measured ms | estimated ms | estimate / measured | roofline ms "
+          "| kernels | written GiB | read GiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['variant']} | {r['measured_ms']:.2f} | "
+              f"{r['estimated_ms']:.2f} | {r['ratio']:.2f} | {r['roofline_ms']:.2f} | "
+              f"{r['kernels']} | {r['written_GiB']} | {r['read_GiB']} |")
+    return rows
+
+
+def _names(choices):
+    def parse(text):
+        names = [n for n in text.split(",") if n]
+        unknown = [n for n in names if n not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {choices}")
+        return names
+    return parse
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", help="directory for results.jsonl, results.md and hlo/")
+    parser.add_argument("--target", type=_names(TARGETS), default=["h100"],
+                        help="h100, b200 or both (comma-separated)")
+    parser.add_argument("--models", type=_names(MODELS), default=list(MODELS))
+    parser.add_argument("--variants", type=_names(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny models (GPT width 64, one block; ResNet 8x8, stages 16/32)")
+    parser.add_argument("--depth", type=int, default=None,
+                        help="GPT blocks (default 2; the real-GPU step times used 8)")
+    parser.add_argument("--no-hlo", dest="save_hlo", action="store_false",
+                        help="do not save the optimized HLO of each step")
+    parser.add_argument("--calibrate", metavar="HLO_DIR",
+                        help="compare the estimate of GPU-compiled HLO files with --measured")
+    parser.add_argument("--measured", help="JSON lines of measured step times (--calibrate)")
+    args = parser.parse_args(argv)
+    if args.calibrate and not args.measured:
+        parser.error("--calibrate needs --measured")
+    if not args.calibrate and not args.out:
+        parser.error("--out is required")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.calibrate:
+        return calibrate(args.calibrate, args.measured)
+    return run(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
