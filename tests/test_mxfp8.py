@@ -312,13 +312,11 @@ def test_padding_and_per_tensor_convolutions_are_reported():
         warnings.simplefilter("always")
         jax.eval_shape(_mx_fn(fn, jnp.bfloat16), w, k, x, images)
     said = [str(c.message) for c in caught if c.category is jaxmp.Float8ShortfallWarning]
-    assert len(said) == 3, said
+    assert len(said) == 2, said  # no backward products are computed: nothing more to say
     assert any("contracts 40 elements, padded to 64" in m and "forward product" in m
                for m in said), said
     assert any("one scale per tensor" in m and "conv_general_dilated" in m for m in said), said
-    # ... and, as under "tensor", that the convolution's kernel gradient runs in bfloat16
-    assert any("forward convolutions only" in m for m in said), said
-    # Keeping convolutions out of float8 on purpose silences the last two.
+    # Keeping convolutions out of float8 on purpose silences the second.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         jax.eval_shape(_mx_fn(fn, jnp.bfloat16,
