@@ -492,8 +492,6 @@ def test_default_step_needs_no_more_scratch_than_hand_written():
 
 # Part 6: the FLOP tools count what the GPU runs.
 
-@pytest.mark.gpu_program
-@needs_plugin
 def _user_mxfp8(w, x):
     """A block-scaled product written with JAX's own MXFP8 (``jax.nn.scaled_dot_general``),
     which autocast runs as written: on an H100 XLA expands it into float32 products."""
@@ -504,6 +502,8 @@ def _user_mxfp8(w, x):
     return jnp.mean(jnp.tanh(dot(x, w["a"])) @ w["b"])
 
 
+@pytest.mark.gpu_program
+@needs_plugin
 def test_flop_tools_count_the_target_program():
     user = jaxmp.mp_value_and_grad(_user_mxfp8, compute_dtype=jnp.bfloat16,
                                    matmul_dtype=jnp.float8_e4m3fn)
