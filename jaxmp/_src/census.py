@@ -26,13 +26,13 @@ from typing import Any, Iterator, NamedTuple
 import numpy as np
 
 from jaxmp._src import casting
+from jaxmp._src import compat
 from jaxmp._src import float8
 from jaxmp._src import source
 
-_PRODUCTS = ("dot_general", "conv_general_dilated")
+_PRODUCTS = compat.PRODUCTS
 # Functions with their own derivative rule, which autocast runs as written.
-_CUSTOM_RULES = {"custom_jvp_call": "jax.custom_jvp", "custom_vjp_call": "jax.custom_vjp",
-                 "custom_vjp_call_jaxpr": "jax.custom_vjp"}
+_CUSTOM_RULES = compat.CUSTOM_RULES
 
 
 class MostlyFloat32Warning(UserWarning):
@@ -63,27 +63,18 @@ class MostlyFloat32Warning(UserWarning):
     """
 
 
-def sub_jaxprs(eqn) -> Iterator[tuple[Any, int]]:
-    """The jaxprs inside ``eqn`` (scan, cond, jit, checkpoint, custom rules) with a repeat count."""
-    repeat = int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            inner = getattr(item, "jaxpr", item)
-            if hasattr(inner, "eqns"):
-                yield inner, repeat
-
+#: The jaxprs inside an equation (scan, cond, jit, checkpoint, custom rules) with a repeat count.
+sub_jaxprs = compat.sub_jaxprs
 
 # Equations that call one jaxpr on exactly their operands and return its results.
-_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2",
-                    "custom_jvp_call", "custom_vjp_call"})
+_CALLS = compat.CALLS
 
 
 def called_jaxpr(eqn):
     """The (open) jaxpr that ``eqn`` calls on exactly its operands, or ``None``."""
     if eqn.primitive.name not in _CALLS:
         return None
-    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    inner = getattr(inner, "jaxpr", inner)
+    inner = compat.open_jaxpr(compat.called_jaxpr(eqn, None))
     if inner is None or len(inner.invars) != len(eqn.invars) or (
             len(inner.outvars) != len(eqn.outvars)):
         return None
@@ -94,9 +85,9 @@ def _flops(eqn) -> int:
     lhs, rhs = (v.aval for v in eqn.invars[:2])
     out = eqn.outvars[0].aval
     if eqn.primitive.name == "dot_general":
-        (contracting, _), _ = eqn.params["dimension_numbers"]
+        (contracting, _), _ = compat.dimension_numbers(eqn)
         return 2 * math.prod(out.shape) * math.prod(lhs.shape[i] for i in contracting)
-    out_features = rhs.shape[eqn.params["dimension_numbers"].rhs_spec[0]]
+    out_features = rhs.shape[compat.dimension_numbers(eqn).rhs_spec[0]]
     return 2 * math.prod(out.shape) * math.prod(rhs.shape) // max(out_features, 1)
 
 
@@ -286,7 +277,7 @@ def _place(eqn, enclosing: tuple, rules: Any, float8_rules: Any) -> _Placed:
     sees and autocast does not decide: a product inside a function with its
     own derivative rule runs its backward as that rule is written.
     """
-    scopes = [str(e.source_info.name_stack) for e in (*enclosing, eqn)]
+    scopes = [compat.name_stack(e) for e in (*enclosing, eqn)]
     why = float8.placement(eqn, "/".join(s for s in scopes if s), rules.low_precision,
                            float8_rules)
     if why == "float8_operand":  # written in float8 by the user: fine if both operands are
@@ -320,7 +311,7 @@ def _contracted(eqn) -> list[tuple[str, int]]:
     (``lhs . ct``) the lhs's free dimensions (a layer's batch and tokens).
     """
     lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    (lc, rc), (lb, rb) = compat.dimension_numbers(eqn)
     free = lambda shape, c, b: math.prod(n for d, n in enumerate(shape) if d not in c and d not in b)
     return [("forward", math.prod(lhs[d] for d in lc)),
             ("input-gradient", free(rhs, rc, rb)),

@@ -241,6 +241,12 @@ def bind_with(eqn, invals: Any, **changes: Any) -> Any:
     return out
 
 
+def bind_conv(x: Any, y: Any, params: Mapping[str, Any]) -> Any:
+    """``conv_general_dilated`` of ``x`` and ``y`` with the parameters of a convolution
+    equation (:func:`params_for_bind`), which ``jax.lax.conv_general_dilated`` does not take."""
+    return lax.conv_general_dilated_p.bind(x, y, **params)
+
+
 def params_for_bind(eqn, **changes: Any) -> dict:
     """A copy of ``eqn``'s parameters with ``changes``, to bind it again (:func:`bind`)."""
     return {**eqn.params, **changes}
@@ -258,12 +264,12 @@ def is_higher_order(eqn, *, combiners: bool = False, functions: bool = False) ->
 
     Args:
         eqn: an equation.
-        combiners: count the small computations of :data:`OWN_COMBINERS` (a
-            scatter's or a reduction's combiner) as well.
+        combiners: count the primitives of :data:`AS_WRITTEN` (a scatter's or
+            a reduction's combiner, a custom rule) as well.
         functions: count function parameters as well (a callback's, a custom
             rule's).
     """
-    if eqn.primitive.name in OWN_COMBINERS and not combiners:
+    if eqn.primitive.name in AS_WRITTEN and not combiners:
         return False
     return any(_is_jaxpr(v) or (functions and callable(v))
                or (isinstance(v, (tuple, list)) and any(_is_jaxpr(x) for x in v))
@@ -354,11 +360,13 @@ def scan(eqn) -> Scan:
     """
     if "num_consts" in eqn.params:
         num_consts, num_carry = _param(eqn, "num_consts"), _param(eqn, "num_carry")
-    else:
+    elif "ft_in" in eqn.params:
         try:
-            num_consts, num_carry, _ = (len(part) for part in _param(eqn, "ft_in").unpack())
+            num_consts, num_carry, _ = (len(part) for part in eqn.params["ft_in"].unpack())
         except (AttributeError, TypeError, ValueError) as e:
             raise UnknownEquation(eqn, "'ft_in' of (consts, carry, xs)") from e
+    else:
+        raise UnknownEquation(eqn, "'num_consts' or 'ft_in'")
     return Scan(closed(_param(eqn, "jaxpr")), num_consts, num_carry, _param(eqn, "length"),
                 _param(eqn, "reverse"), _param(eqn, "unroll", default=1),
                 _param(eqn, "_split_transpose", default=False))
@@ -398,10 +406,11 @@ def checkpoint(eqn) -> Checkpoint:
                       _param(eqn, "policy", default=None))
 
 
-def called_jaxpr(eqn) -> Any:
+def called_jaxpr(eqn, default: Any = _MISSING) -> Any:
     """The jaxpr that a call-like equation (``jit``, ``closed_call``, ``checkpoint``,
-    ``custom_jvp_call``, ``custom_vjp_call``) calls, closed or open as the equation has it."""
-    return _param(eqn, "jaxpr", "call_jaxpr")
+    ``custom_jvp_call``, ``custom_vjp_call``, ``shard_map``) calls, closed or open as the
+    equation has it; ``default`` (if given) for an equation without one."""
+    return _param(eqn, "jaxpr", "call_jaxpr", default=default)
 
 
 class ShardMap(NamedTuple):
@@ -422,7 +431,8 @@ def shard_map(eqn) -> ShardMap:
     of the mesh.
     """
     mesh = _param(eqn, "mesh")
-    manual = _param(eqn, "manual_axes", "newly_manual_axes", "axis_names", default=None)
+    manual = next((eqn.params[k] for k in ("manual_axes", "newly_manual_axes", "axis_names")
+                   if eqn.params.get(k) is not None), None)
     return ShardMap(_param(eqn, "jaxpr"), mesh,
                     frozenset(mesh.axis_names if manual is None else manual),
                     tuple(_param(eqn, "in_specs")), tuple(_param(eqn, "out_specs")))
@@ -532,7 +542,7 @@ def without_transforms(entry: str) -> str:
 
 
 def is_tracer(x: Any) -> bool:
-    """Whether ``x`` is a tracer (traced by ``jit``, ``grad``, ``vmap``...), not a concrete value."""
+    """Whether ``x`` is a tracer (``jit``, ``grad``, ``vmap``...), not a concrete value."""
     return isinstance(x, jax.core.Tracer)
 
 
@@ -638,6 +648,9 @@ CUSTOM_RULES = {"custom_jvp_call": "jax.custom_jvp", "custom_vjp_call": "jax.cus
 #: Equations that call one jaxpr on exactly their operands and return its results.
 CALLS = frozenset({"jit", "closed_call", "remat2", "custom_jvp_call", "custom_vjp_call"})
 
+#: Loops and branches: equations whose bodies run any number of times, or one of several.
+LOOPS_AND_BRANCHES = frozenset({"scan", "while", "cond"})
+
 #: The checkpoint primitive (``jax.checkpoint``, ``jax.remat``).
 CHECKPOINTS = frozenset({"remat2"})
 
@@ -660,11 +673,15 @@ SCATTERS: Mapping[str, Callable] = {
     "scatter-max": lax.scatter_max,
 }
 
-#: Primitives whose jaxpr parameters are a small computation of their own (a scatter's or a
-#: reduction's combiner, a selection), not a body of the user's code: the interpreter runs
-#: them as written without a word (see :func:`is_higher_order`).
-OWN_COMBINERS = frozenset({"scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min",
-                           "scatter-max", "reduce", "reduce_window", "select_and_scatter"})
+#: Higher-order primitives that jaxmp knowingly runs as written, without a word: their
+#: jaxprs are a small computation of their own (a scatter's or a reduction's combiner, a
+#: selection) or a rule of the function's author (a custom batching or linear-solve rule;
+#: jaxmp's own MXFP8 product is a ``custom_vmap_call``), not a body to rewrite. Any other
+#: higher-order primitive without a handler is new to jaxmp, and the interpreter says so
+#: (see :func:`is_higher_order`).
+AS_WRITTEN = frozenset({"scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min",
+                        "scatter-max", "reduce", "reduce_window", "select_and_scatter",
+                        "custom_vmap_call", "custom_linear_solve", "linear_call", "custom_lin"})
 
 #: The primitives ``shard_map`` binds under its varying-axes types (check_vma), and what
 #: they are without them: a one-device evaluation drops the types.

@@ -136,11 +136,11 @@ class Interpreter:
             if handler is not None:
                 return handler(self, eqn, invals)
             if compat.is_higher_order(eqn):
-                _warn_unknown(eqn, f"jaxmp has no rule for the {eqn.primitive.name} primitive's "
-                                   "body")
+                _warn_unknown(eqn, "jaxmp has no rule for its body")
             return self.first_order(eqn, invals)
         except compat.UnknownEquation as e:
-            _warn_unknown(eqn, str(e))
+            _warn_unknown(eqn, f"{e}; the JAX installed, {jax.__version__}, may be newer than "
+                               "this jaxmp")
             return self.as_written(eqn, invals)
 
     def as_written(self, eqn, invals: list) -> list:
@@ -230,9 +230,9 @@ def _warn_unknown(eqn, why: str) -> None:
     census.warn_once(
         ("unknown equation", name),
         f"jaxmp does not understand a {name} equation ({why}), so it runs as written, in its "
-        f"own dtypes: nothing inside it is autocast or diagnosed. The JAX installed "
-        f"({jax.__version__}) may be newer than this jaxmp: upgrade jaxmp, or report the "
-        f"{name} primitive.", compat.UnknownEquationWarning)
+        f"own dtypes: nothing inside it is autocast or diagnosed. Call jaxmp's function inside "
+        f"it instead, upgrade jaxmp, or report the {name} primitive.",
+        compat.UnknownEquationWarning)
 
 
 # --- The handlers of higher-order primitives ------------------------------------------------
