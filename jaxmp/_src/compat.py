@@ -235,10 +235,9 @@ def bind(eqn, invals: Any, params: Mapping[str, Any] | None = None) -> list:
 
 
 def bind_with(eqn, invals: Any, **changes: Any) -> Any:
-    """The primitive of ``eqn`` bound on ``invals`` with some parameters changed; its result as
-    the primitive gives it (a list only for a primitive with several results)."""
-    out = eqn.primitive.bind(*invals, **params_for_bind(eqn, **changes))
-    return out
+    """The (first-order) primitive of ``eqn`` bound on ``invals``, some parameters changed;
+    its result as the primitive gives it (a list only for a primitive with several results)."""
+    return eqn.primitive.bind(*invals, **params_for_bind(eqn, **changes))
 
 
 def bind_conv(x: Any, y: Any, params: Mapping[str, Any]) -> Any:

@@ -412,7 +412,8 @@ def _products(program: _Program) -> list[_Product]:
     found = []
     for eqn, flops, enclosing in census.census(program.jaxpr):
         stack = _name_stack(eqn, enclosing)
-        found.append(_Product(layer_path(stack), "backward" if compat.is_backward(stack) else "forward",
+        found.append(_Product(layer_path(stack),
+                              "backward" if compat.is_backward(stack) else "forward",
                               _dtype_key(eqn), flops, eqn, enclosing, stack,
                               source.location_key(eqn, enclosing)))
     # JAX traces some rules (a custom_vjp's forward: float8 products) outside the user's
