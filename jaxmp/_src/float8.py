@@ -55,6 +55,7 @@ import numpy as np
 from jax import lax
 
 from jaxmp._src import casting
+from jaxmp._src import compat
 from jaxmp._src import interpret
 from jaxmp._src import sharding
 
@@ -67,7 +68,7 @@ GRAD_DTYPE = jnp.dtype(jnp.float8_e5m2)
 #: and the saved e4m3 operand (converted) share it. See :func:`_scaled_conv`.
 CONV_GRAD_DTYPE = jnp.dtype(jnp.float8_e5m2)
 #: The primitives :func:`jaxmp.autocast` runs in float8 by default.
-FLOAT8_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
+FLOAT8_PRIMITIVES = compat.FLOAT8_PRIMITIVES
 
 
 def is_float8_dtype(dtype: Any) -> bool:
@@ -205,10 +206,10 @@ def product_of(eqn, scope: str) -> Product:
     lhs, rhs = (tuple(v.aval.shape) for v in eqn.invars[:2])
     out = tuple(eqn.outvars[0].aval.shape)
     if eqn.primitive.name == "dot_general":
-        (contract, _), _ = eqn.params["dimension_numbers"]
+        (contract, _), _ = compat.dimension_numbers(eqn)
         macs = math.prod(out) * math.prod(lhs[i] for i in contract)
     else:
-        out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+        out_features = rhs[compat.dimension_numbers(eqn).rhs_spec[0]]
         macs = math.prod(out) * math.prod(rhs) // max(out_features, 1)
     return Product(eqn.primitive.name, lhs, rhs, 2 * macs, scope)
 
@@ -362,7 +363,7 @@ def _conv_transpose(params, operand, wrt: int, other_struct, ct):
     f32 = jnp.float32
 
     def conv(x, y):
-        return lax.conv_general_dilated_p.bind(x, y, **params)
+        return compat.bind_conv(x, y, params)
 
     def transpose(known, g):
         if wrt == 0:
@@ -392,7 +393,7 @@ def _scaled_conv(a, b, *, params, matmul_dtype, out_dtype):
     params = dict(params, preferred_element_type=jnp.float32)
 
     def conv(x, y):
-        return lax.conv_general_dilated_p.bind(x, y, **params)
+        return compat.bind_conv(x, y, params)
 
     @jax.custom_vjp
     def product(a, b):
@@ -675,7 +676,7 @@ def scaled_product(eqn, invals, compute_dtype: np.dtype, matmul_dtype: np.dtype,
     a, b = invals
     with interpret.at_source_of(eqn):
         if eqn.primitive.name == "dot_general":
-            return recipe.dot(a, b, dimension_numbers=eqn.params["dimension_numbers"],
+            return recipe.dot(a, b, dimension_numbers=compat.dimension_numbers(eqn),
                               matmul_dtype=matmul_dtype, out_dtype=compute_dtype)
-        return recipe.conv(a, b, params=dict(eqn.params), matmul_dtype=matmul_dtype,
+        return recipe.conv(a, b, params=compat.params_for_bind(eqn), matmul_dtype=matmul_dtype,
                            out_dtype=compute_dtype)
