@@ -13,6 +13,7 @@ from jaxmp._src.casting import force_full_precision
 from jaxmp._src.casting import is_float_array
 from jaxmp._src.census import Float8ShortfallWarning
 from jaxmp._src.census import MostlyFloat32Warning
+from jaxmp._src.compat import UnknownEquationWarning
 from jaxmp._src.diagnostics import float8_matmul_flop_share
 from jaxmp._src.diagnostics import half_matmul_flop_share
 from jaxmp._src.diagnostics import matmul_flops
@@ -97,5 +98,6 @@ __all__ = (
     "static_scaler",
     "TrainingStuckError",
     "TrainingStuckWarning",
+    "UnknownEquationWarning",
     "unscale",
 )

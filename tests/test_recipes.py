@@ -126,7 +126,7 @@ def test_flax_linen_trainstate():
 
 
 def _rng_count(rest):
-    return int(rest["dropout"]["rngs"]["count"].value)
+    return int(rest["dropout"]["rngs"]["count"][...])  # flax 0.12.12 deprecates .value
 
 
 def test_flax_nnx_dropout():

@@ -45,9 +45,21 @@ def _pins():
 
 
 def test_requires_python_is_what_the_oldest_jax_needs():
-    # jax 0.8 and flax 0.12 need Python 3.11; CI runs 3.11.
+    # jax 0.8 and flax 0.12 need Python 3.11; CI runs the oldest versions on 3.11.
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["requires-python"] == ">=3.11"
+
+
+def test_the_pythons_ci_tests_are_the_classifiers_and_the_docs_say_so():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    classified = {c.rsplit(" :: ", 1)[1] for c in project["classifiers"]
+                  if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)}
+    assert classified == {"3.11", "3.13"}  # the oldest versions' Python and the newest's
+    ci = (ROOT / ".ci" / "run").read_text()
+    development = (ROOT / "docs" / "development.md").read_text()
+    for version in classified:
+        assert f"find_python {version} " in ci, version
+        assert f"Python {version}" in development, version
 
 
 def test_every_tested_library_has_a_lower_bound():

@@ -54,63 +54,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax.extend import core as jex_core
-
 from jaxmp._src import casting
 from jaxmp._src import census
 from jaxmp._src import compat
 from jaxmp._src import float8
 from jaxmp._src import interpret
 
-# Matrix products and convolutions: run in the compute dtype.
-LOW_PRECISION = frozenset({"dot_general", "conv_general_dilated"})
-
-# Numerically sensitive operations: run in (at least) float32.
-FULL_PRECISION = frozenset({
-    # Sums and products whose result outgrows its inputs.
-    "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
-    "reduce_window_sum",
-    # Exponentials, logarithms, powers and roots.
-    "exp", "exp2", "expm1", "log", "log1p", "pow", "integer_pow", "square",
-    "sqrt", "rsqrt", "cbrt",
-    # Functions that overflow or lose their tails in half precision.
-    "sinh", "cosh", "tan", "asin", "acos", "atanh", "erf", "erfc", "erf_inv",
-    "lgamma", "digamma", "igamma", "igammac", "igamma_grad_a", "polygamma", "zeta",
-    "bessel_i0e", "bessel_i1e", "random_gamma_grad", "regularized_incomplete_beta",
-})
-
-# Operations that run in the narrowest floating dtype of their operands.
-FOLLOW = frozenset({
-    "add", "sub", "mul", "div", "neg", "max", "min", "abs", "sign", "floor", "ceil",
-    "round", "is_finite", "nextafter", "rem", "atan2", "sin",
-    "cos", "atan", "asinh", "acosh", "select_n", "clamp", "eq", "ne", "lt", "le",
-    "gt", "ge", "broadcast_in_dim", "reshape", "transpose", "squeeze",
-    "expand_dims", "slice", "dynamic_slice", "dynamic_update_slice", "gather",
-    "concatenate", "pad", "rev", "reduce_max", "reduce_min", "argmax", "argmin",
-    "cummax", "cummin", "reduce_window_max", "reduce_window_min", "stop_gradient",
-    "copy", "copy_p", "reduce_precision", "top_k", "split",
-})
-
-# Saturating functions: their result is bounded whatever their operand, so a
-# value kept in float32 is narrowed to the compute dtype on its way in
-# (tanh(inf) is still 1).
-BOUNDED = frozenset({"tanh", "logistic"})
-
-# Operations whose operands are independent: each keeps its own dtype.
-PASSTHROUGH = frozenset({
-    "optimization_barrier", "name", "sharding_constraint", "mesh_cast", "reshard",
-    "device_put", "psum", "pmax", "pmin", "ppermute", "all_gather", "all_to_all",
-    "psum_scatter", "reduce_scatter", "pbroadcast", "pvary", "pcast", "sort",
-    # What shard_map binds for psum and all_gather under its varying-axes types (check_vma).
-    "psum_invariant", "all_gather_invariant", "ragged_all_to_all",
-})
-
-# Collectives that communicate: their results are always saved for the backward pass,
-# never recomputed (a recomputed collective would move its bytes twice).
-_COMMUNICATING = frozenset({
-    "psum", "psum_invariant", "pmax", "pmin", "ppermute", "all_gather", "all_gather_invariant",
-    "all_to_all", "ragged_all_to_all", "psum_scatter", "reduce_scatter",
-})
+# The primitive-name tables live in compat.py, with every other contact with JAX.
+LOW_PRECISION = compat.LOW_PRECISION  # run in the compute dtype
+FULL_PRECISION = compat.FULL_PRECISION  # run in (at least) float32
+FOLLOW = compat.FOLLOW  # run in the narrowest floating dtype of their operands
+BOUNDED = compat.BOUNDED  # saturating: a kept operand is narrowed first
+PASSTHROUGH = compat.PASSTHROUGH  # each operand keeps its own dtype
+_COMMUNICATING = compat.COMMUNICATING  # saved for the backward pass, never recomputed
 
 _RULE_FIELDS = ("low_precision", "full_precision", "follow", "passthrough", "bounded")
 _DEFAULT_SETS = {"low_precision": LOW_PRECISION, "full_precision": FULL_PRECISION,
@@ -118,7 +74,7 @@ _DEFAULT_SETS = {"low_precision": LOW_PRECISION, "full_precision": FULL_PRECISIO
 _SET_NAMES = {"low_precision": "LOW_PRECISION", "full_precision": "FULL_PRECISION",
               "follow": "FOLLOW", "passthrough": "PASSTHROUGH", "bounded": "BOUNDED"}
 # Reductions: their results are statistics of a tensor (see ``_Autocast``).
-_REDUCTIONS = frozenset({"reduce_sum", "reduce_prod"})
+_REDUCTIONS = compat.REDUCTIONS
 
 
 def _describe(field: str, names: frozenset) -> str:
@@ -245,16 +201,14 @@ def _narrow_safe(closed, rules: "AutocastRules") -> frozenset:
 
     def walk(jaxpr, out_needed):
         local = {v for v, n in zip(jaxpr.outvars, out_needed)
-                 if n and not isinstance(v, jex_core.Literal)}
+                 if n and not compat.is_literal(v)}
         for eqn in reversed(jaxpr.eqns):
             name = eqn.primitive.name
             outs_needed = [v in local for v in eqn.outvars]
-            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-            if name in ("scan", "while", "cond"):
-                for sub in (eqn.params.get("jaxpr"), eqn.params.get("cond_jaxpr"),
-                            eqn.params.get("body_jaxpr"), *eqn.params.get("branches", ())):
-                    if sub is not None:
-                        walk(sub.jaxpr, [True] * len(sub.jaxpr.outvars))
+            inner = compat.called_jaxpr(eqn, None)
+            if name in compat.LOOPS_AND_BRANCHES:
+                for sub, _ in compat.sub_jaxprs(eqn):
+                    walk(sub, [True] * len(sub.outvars))
                 ins = [True] * len(eqn.invars)
             elif inner is not None and hasattr(getattr(inner, "jaxpr", inner), "eqns"):
                 inner = getattr(inner, "jaxpr", inner)
@@ -269,7 +223,7 @@ def _narrow_safe(closed, rules: "AutocastRules") -> frozenset:
             else:
                 ins = [True] * len(eqn.invars)  # run as written, in float32
             for v, n in zip(eqn.invars, ins):
-                if n and not isinstance(v, jex_core.Literal):
+                if n and not compat.is_literal(v):
                     local.add(v)
         needed.update(local)
         return [v in local for v in jaxpr.invars]
@@ -284,17 +238,15 @@ def _uses(jaxpr) -> tuple[dict, set]:
     users: dict = {}
     for e in jaxpr.eqns:
         for v in e.invars:
-            if not isinstance(v, jex_core.Literal):
+            if not compat.is_literal(v):
                 users.setdefault(v, []).append(e)
-    return users, {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+    return users, {v for v in jaxpr.outvars if not compat.is_literal(v)}
 
 
 # Collectives that move a value between devices unchanged (no arithmetic).
-_MOVING = frozenset({"all_gather", "all_gather_invariant", "ppermute", "all_to_all"})
+_MOVING = compat.MOVING_COLLECTIVES
 # Operations that move a value's elements around on one device, no arithmetic.
-_MOVEMENT = frozenset({"broadcast_in_dim", "reshape", "expand_dims", "squeeze", "transpose",
-                       "slice", "dynamic_slice", "rev", "copy", "copy_p", "pvary", "pcast",
-                       "sharding_constraint", "mesh_cast", "reshard"})
+_MOVEMENT = compat.MOVEMENT
 
 
 def _narrow_early(closed, rules: "AutocastRules") -> frozenset:
@@ -338,8 +290,7 @@ def _narrow_early(closed, rules: "AutocastRules") -> frozenset:
 
 
 # Operations that pass a value on unchanged but for its shape (or its rounding).
-_RESHAPING = frozenset({"broadcast_in_dim", "reshape", "expand_dims", "squeeze", "stop_gradient",
-                        "copy", "copy_p", "convert_element_type"})
+_RESHAPING = compat.RESHAPING
 
 
 def _shifted_exps(closed, keep: frozenset) -> frozenset:
@@ -368,7 +319,7 @@ def _shifted_exps(closed, keep: frozenset) -> frozenset:
         users, outputs = _uses(jaxpr)
 
         def strip(v):
-            while not isinstance(v, jex_core.Literal) and v in producer:
+            while not compat.is_literal(v) and v in producer:
                 e = producer[v]
                 if e.primitive.name not in _RESHAPING:
                     break
@@ -377,7 +328,7 @@ def _shifted_exps(closed, keep: frozenset) -> frozenset:
 
         def at_least_max_of(m, a, depth=0) -> bool:
             m = strip(m)
-            e = None if isinstance(m, jex_core.Literal) else producer.get(m)
+            e = None if compat.is_literal(m) else producer.get(m)
             if e is None or depth > 8:
                 return False
             name = e.primitive.name
@@ -387,8 +338,8 @@ def _shifted_exps(closed, keep: frozenset) -> frozenset:
                 return any(at_least_max_of(x, a, depth + 1) for x in e.invars)
             if name == "select_n":
                 pred, *cases = e.invars
-                p = None if isinstance(pred, jex_core.Literal) else producer.get(strip(pred))
-                literal = [isinstance(strip(c), jex_core.Literal) for c in cases]
+                p = None if compat.is_literal(pred) else producer.get(strip(pred))
+                literal = [compat.is_literal(strip(c)) for c in cases]
                 return (p is not None and p.primitive.name == "is_finite"
                         and at_least_max_of(p.invars[0], a, depth + 1)
                         and any(literal)
@@ -399,7 +350,7 @@ def _shifted_exps(closed, keep: frozenset) -> frozenset:
         for e in jaxpr.eqns:
             for inner, _ in census.sub_jaxprs(e):
                 walk(inner)
-            if e.primitive.name != "exp" or isinstance(e.invars[0], jex_core.Literal):
+            if e.primitive.name != "exp" or compat.is_literal(e.invars[0]):
                 continue
             out = e.outvars[0]
             others = [u for u in users.get(out, ()) if u.primitive.name not in _REDUCTIONS]
@@ -409,7 +360,7 @@ def _shifted_exps(closed, keep: frozenset) -> frozenset:
             d = producer.get(e.invars[0])
             if d is not None and d.primitive.name == "sub":
                 a, m = d.invars
-                if not isinstance(a, jex_core.Literal) and at_least_max_of(m, strip(a)):
+                if not compat.is_literal(a) and at_least_max_of(m, strip(a)):
                     found.add(e.outvars[0])
 
     walk(closed.jaxpr)
@@ -447,7 +398,7 @@ class _Autocast(interpret.Interpreter):
         self._casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
 
     def eval_eqn(self, eqn, invals):
-        self._scopes.append(str(eqn.source_info.name_stack))
+        self._scopes.append(compat.name_stack(eqn))
         try:
             return super().eval_eqn(eqn, invals)
         finally:
@@ -528,7 +479,7 @@ class _Autocast(interpret.Interpreter):
 
         if name == "convert_element_type":
             (x,), (k,) = invals, kinds
-            new = eqn.params["new_dtype"]
+            new = compat.new_dtype(eqn)
             if in_avals[0].dtype == new:
                 # A weak-type or sharding adjustment: the value keeps its precision.
                 return [x], [k]
@@ -551,10 +502,10 @@ class _Autocast(interpret.Interpreter):
             cast = list(invals)
             for i in floats:
                 cast[i] = self.cast(cast[i], self.compute_dtype)
-            params = dict(eqn.params)
-            pref = params.get("preferred_element_type")
+            params = None
+            pref = compat.preferred_element_type(eqn)
             if pref is not None and casting.is_float_dtype(pref):
-                params["preferred_element_type"] = self.compute_dtype
+                params = compat.params_for_bind(eqn, preferred_element_type=self.compute_dtype)
             return interpret.bind(eqn, cast, params), [_PLAIN] * nout
 
         float_kinds = [kinds[i] for i in floats]
@@ -571,7 +522,7 @@ class _Autocast(interpret.Interpreter):
                 cast[i] = self.cast(cast[i], casting.wide_dtype(in_avals[i].dtype))
             outs = interpret.bind(eqn, cast)
             if name in _REDUCTIONS or (stat_like and any_stat):
-                inverse = name == "rsqrt" or (name == "integer_pow" and eqn.params["y"] < 0)
+                inverse = name == "rsqrt" or (name == "integer_pow" and compat.integer_exponent(eqn) < 0)
                 flip = {_STAT: _INV, _INV: _STAT}
                 kind = float_kinds[0] if name not in _REDUCTIONS else _STAT
                 kind = flip.get(kind, _STAT) if inverse else (kind if kind in flip else _STAT)
@@ -690,8 +641,7 @@ def _float32_regions(jaxpr) -> list[list[int]]:
                    for v in eqn.outvars)
 
     member = [eqn.primitive.name not in interpret.HANDLERS and wide_out(eqn)
-              and not any(isinstance(p, (jex_core.Jaxpr, jex_core.ClosedJaxpr))
-                          for p in eqn.params.values())
+              and not compat.is_higher_order(eqn, combiners=True)
               for eqn in jaxpr.eqns]
     producer = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
     parent = list(range(len(jaxpr.eqns)))
@@ -706,7 +656,7 @@ def _float32_regions(jaxpr) -> list[list[int]]:
         if not member[i]:
             continue
         for v in eqn.invars:
-            j = producer.get(v) if not isinstance(v, jex_core.Literal) else None
+            j = producer.get(v) if not compat.is_literal(v) else None
             if j is not None and member[j] and np.dtype(v.aval.dtype).itemsize >= 4:
                 parent[find(i)] = find(j)
     groups: dict[int, list[int]] = {}
@@ -716,14 +666,14 @@ def _float32_regions(jaxpr) -> list[list[int]]:
     users: dict[Any, list[int]] = {}
     for j, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
-            if not isinstance(v, jex_core.Literal):
+            if not compat.is_literal(v):
                 users.setdefault(v, []).append(j)
 
     def runs_as_one(idx):  # no equation outside it reads its values before its last one
         inside, outs = set(idx), {v for i in idx for v in jaxpr.eqns[i].outvars}
         return not any(
             j not in inside and any(v in outs for v in jaxpr.eqns[j].invars
-                                    if not isinstance(v, jex_core.Literal))
+                                    if not compat.is_literal(v))
             for j in range(idx[0], idx[-1]))
 
     regions = []
@@ -739,7 +689,7 @@ def _float32_regions(jaxpr) -> list[list[int]]:
 
 
 # Elementwise operations that may continue a region's narrowing tail (``_with_narrowing_tail``).
-_TAIL_OPS = frozenset({"mul", "add", "sub", "div", "neg", "max", "min"})
+_TAIL_OPS = compat.TAIL_OPS
 
 
 def _with_narrowing_tail(jaxpr, idx: list[int], users: dict) -> list[int]:
@@ -768,10 +718,10 @@ def _with_narrowing_tail(jaxpr, idx: list[int], users: dict) -> list[int]:
             if eqn.primitive.name == "convert_element_type":
                 ok = np.dtype(v.aval.dtype).itemsize >= 4
             elif eqn.primitive.name in _TAIL_OPS:
-                ours = [u for u in eqn.invars if not isinstance(u, jex_core.Literal) and u in chain]
+                ours = [u for u in eqn.invars if not compat.is_literal(u) and u in chain]
                 ok = (len(ours) == 1 and casting.is_half_dtype(v.aval.dtype)
                       and v.aval.shape == out.shape
-                      and all(isinstance(u, jex_core.Literal) or u in chain
+                      and all(compat.is_literal(u) or u in chain
                               or u.aval.size < out.size for u in eqn.invars))
             else:
                 ok = False
@@ -851,14 +801,14 @@ def _eval_with_regions(closed, args, policy) -> list:
     used_after: dict[int, set] = {}
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
     env.update(zip(jaxpr.invars, args))
-    outside_uses = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+    outside_uses = {v for v in jaxpr.outvars if not compat.is_literal(v)}
     for i, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
-            if not isinstance(v, jex_core.Literal):
+            if not compat.is_literal(v):
                 used_after.setdefault(id(v), set()).add(i)
 
     def read(v):
-        return jnp.asarray(v.val, v.aval.dtype) if isinstance(v, jex_core.Literal) else env[v]
+        return jnp.asarray(v.val, v.aval.dtype) if compat.is_literal(v) else env[v]
 
     for i, eqn in enumerate(jaxpr.eqns):
         region = region_of.get(i)
@@ -873,7 +823,7 @@ def _eval_with_regions(closed, args, policy) -> list:
         produced_set = set(produced)
         inputs = list(dict.fromkeys(
             v for j in region for v in jaxpr.eqns[j].invars
-            if not isinstance(v, jex_core.Literal) and v not in produced_set))
+            if not compat.is_literal(v) and v not in produced_set))
         outputs = [v for v in produced
                    if v in outside_uses or used_after.get(id(v), set()) - inside]
 
@@ -881,7 +831,7 @@ def _eval_with_regions(closed, args, policy) -> list:
             local = dict(zip(inputs, xs))
 
             def get(v):
-                return jnp.asarray(v.val, v.aval.dtype) if isinstance(v, jex_core.Literal) else local[v]
+                return jnp.asarray(v.val, v.aval.dtype) if compat.is_literal(v) else local[v]
 
             for j in region:
                 e = jaxpr.eqns[j]

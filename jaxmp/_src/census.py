@@ -23,18 +23,16 @@ import sys
 import warnings
 from typing import Any, Iterator, NamedTuple
 
-import jax
 import numpy as np
-from jax.extend import core as jex_core
 
 from jaxmp._src import casting
+from jaxmp._src import compat
 from jaxmp._src import float8
 from jaxmp._src import source
 
-_PRODUCTS = ("dot_general", "conv_general_dilated")
+_PRODUCTS = compat.PRODUCTS
 # Functions with their own derivative rule, which autocast runs as written.
-_CUSTOM_RULES = {"custom_jvp_call": "jax.custom_jvp", "custom_vjp_call": "jax.custom_vjp",
-                 "custom_vjp_call_jaxpr": "jax.custom_vjp"}
+_CUSTOM_RULES = compat.CUSTOM_RULES
 
 
 class MostlyFloat32Warning(UserWarning):
@@ -65,65 +63,20 @@ class MostlyFloat32Warning(UserWarning):
     """
 
 
-def loop_trips(eqn) -> int:
-    """How often a ``while`` equation runs its body, when it counts its iterations, else 1.
-
-    A counted loop has a carry that starts at the literal 0, a condition that is
-    that carry ``lt`` a literal, and a body that adds 1 to it (a ``fori_loop``
-    with traced bounds does not; one with fixed bounds is a ``scan``). The FLOP
-    count of the lowered program (``diagnostics._loop_trips``) reads the same
-    loops the same way.
-    """
-    cond_n, body_n = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-    cond, body = eqn.params["cond_jaxpr"].jaxpr, eqn.params["body_jaxpr"].jaxpr
-    test = next((e for e in cond.eqns if cond.outvars[0] in e.outvars), None)
-    if test is None or test.primitive.name != "lt":
-        return 1
-    counter, bound = test.invars
-    carries = cond.invars[cond_n:]
-    if not isinstance(bound, jex_core.Literal) or counter not in carries:
-        return 1
-    k = carries.index(counter)
-    start = eqn.invars[cond_n + body_n + k]
-    step = next((e for e in body.eqns if body.outvars[k] in e.outvars), None)
-    if (not isinstance(start, jex_core.Literal) or int(start.val) != 0 or step is None
-            or step.primitive.name != "add"):
-        return 1
-    a, b = step.invars
-    mine = body.invars[body_n + k]
-    one = b if a is mine else a if b is mine else None
-    if not isinstance(one, jex_core.Literal) or int(one.val) != 1:
-        return 1
-    return max(int(bound.val), 0)
-
-
-def sub_jaxprs(eqn) -> Iterator[tuple[Any, int]]:
-    """The jaxprs inside ``eqn`` (scan, while, cond, jit, checkpoint, custom rules) with how
-    often each runs: a ``scan``'s ``length`` times, a counted ``while`` loop's trip count
-    (:func:`loop_trips`)."""
-    repeat = 1
-    if eqn.primitive.name == "scan":
-        repeat = int(eqn.params.get("length", 1))
-    elif eqn.primitive.name == "while":
-        repeat = loop_trips(eqn)
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            inner = getattr(item, "jaxpr", item)
-            if hasattr(inner, "eqns"):
-                yield inner, repeat
-
+#: The jaxprs inside an equation (scan, while, cond, jit, checkpoint, custom rules) with a
+#: repeat count.
+sub_jaxprs = compat.sub_jaxprs
+loop_trips = compat.loop_trips
 
 # Equations that call one jaxpr on exactly their operands and return its results.
-_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2",
-                    "custom_jvp_call", "custom_vjp_call"})
+_CALLS = compat.CALLS
 
 
 def called_jaxpr(eqn):
     """The (open) jaxpr that ``eqn`` calls on exactly its operands, or ``None``."""
     if eqn.primitive.name not in _CALLS:
         return None
-    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    inner = getattr(inner, "jaxpr", inner)
+    inner = compat.open_jaxpr(compat.called_jaxpr(eqn, None))
     if inner is None or len(inner.invars) != len(eqn.invars) or (
             len(inner.outvars) != len(eqn.outvars)):
         return None
@@ -134,9 +87,9 @@ def _flops(eqn) -> int:
     lhs, rhs = (v.aval for v in eqn.invars[:2])
     out = eqn.outvars[0].aval
     if eqn.primitive.name == "dot_general":
-        (contracting, _), _ = eqn.params["dimension_numbers"]
+        (contracting, _), _ = compat.dimension_numbers(eqn)
         return 2 * math.prod(out.shape) * math.prod(lhs.shape[i] for i in contracting)
-    out_features = rhs.shape[eqn.params["dimension_numbers"].rhs_spec[0]]
+    out_features = rhs.shape[compat.dimension_numbers(eqn).rhs_spec[0]]
     return 2 * math.prod(out.shape) * math.prod(rhs.shape) // max(out_features, 1)
 
 
@@ -153,7 +106,7 @@ def is_differentiated(x: Any) -> bool:
     """Whether the value ``x`` (an argument of a function being traced) is being differentiated:
     a tracer of JAX's autodiff, possibly inside ``vmap``'s or another's."""
     seen = 0
-    while isinstance(x, jax.core.Tracer) and seen < 64:
+    while compat.is_tracer(x) and seen < 64:
         if type(x).__name__ in _DIFFERENTIATING:
             return True
         x = next((getattr(x, a) for a in ("primal", "val") if getattr(x, a, None) is not None),
@@ -165,15 +118,16 @@ def is_differentiated(x: Any) -> bool:
 def _inner_jaxprs(eqn) -> list[tuple[Any, list | None]]:
     """The jaxprs inside ``eqn``, each with the outer values its inputs stand for, in order,
     or with ``None`` when its inputs cannot be matched to the equation's one for one."""
-    name, params = eqn.primitive.name, eqn.params
+    name = eqn.primitive.name
     outer = list(eqn.invars)
     if name == "cond":
-        return [(getattr(b, "jaxpr", b), outer[1:]) for b in params["branches"]]
+        return [(b.jaxpr, outer[1:]) for b in compat.cond_branches(eqn)]
     if name == "while":
-        cn, bn = params["cond_nconsts"], params["body_nconsts"]
+        loop = compat.while_loop(eqn)
+        cn, bn = loop.cond_nconsts, loop.body_nconsts
         carry = outer[cn + bn:]
-        return [(params["cond_jaxpr"].jaxpr, outer[:cn] + carry),
-                (params["body_jaxpr"].jaxpr, outer[cn:cn + bn] + carry)]
+        return [(loop.cond.jaxpr, outer[:cn] + carry),
+                (loop.body.jaxpr, outer[cn:cn + bn] + carry)]
     found = []
     for inner, _ in sub_jaxprs(eqn):
         found.append((inner, outer if len(inner.invars) == len(outer) else None))
@@ -196,25 +150,26 @@ def differentiated_products(jaxpr, differentiated: list) -> dict:
     def visit(jaxpr, inputs):
         marked.update(v for v, d in zip(jaxpr.invars, inputs) if d)
         for eqn in jaxpr.eqns:
-            ins = [not isinstance(v, jex_core.Literal) and v in marked for v in eqn.invars]
+            ins = [not compat.is_literal(v) and v in marked for v in eqn.invars]
             if eqn.primitive.name in _PRODUCTS:
                 before = out.get(id(eqn), (False, False))
                 out[id(eqn)] = (before[0] or ins[0], before[1] or ins[1])
-            loops = eqn.primitive.name in ("scan", "while")
+            loops = eqn.primitive.name in compat.LOOPS
             for _ in range(1 + loops):  # a loop's second pass sees what its carries became
                 for inner, outer in _inner_jaxprs(eqn):
                     if outer is None:
                         visit(inner, [any(ins)] * len(inner.invars))
                     else:
-                        visit(inner, [not isinstance(v, jex_core.Literal) and v in marked
+                        visit(inner, [not compat.is_literal(v) and v in marked
                                       or w in marked for v, w in zip(outer, inner.invars)])
                 if loops:
                     inner = [j for j, _ in _inner_jaxprs(eqn)][-1]
                     carried = [o in marked for o in inner.outvars]
-                    n_carry = (eqn.params["num_carry"] if eqn.primitive.name == "scan"
-                               else len(carried))
-                    first = (eqn.params["num_consts"] if eqn.primitive.name == "scan"
-                             else eqn.params["body_nconsts"])
+                    if eqn.primitive.name == "scan":
+                        scan = compat.scan(eqn)
+                        n_carry, first = scan.num_carry, scan.num_consts
+                    else:
+                        n_carry, first = len(carried), compat.while_loop(eqn).body_nconsts
                     for i in range(n_carry):
                         if carried[i]:
                             marked.add(inner.invars[first + i])
@@ -428,7 +383,7 @@ def _place(eqn, enclosing: tuple, rules: Any, float8_rules: Any) -> _Placed:
     sees and autocast does not decide: a product inside a function with its
     own derivative rule runs its backward as that rule is written.
     """
-    scopes = [str(e.source_info.name_stack) for e in (*enclosing, eqn)]
+    scopes = [compat.name_stack(e) for e in (*enclosing, eqn)]
     why = float8.placement(eqn, "/".join(s for s in scopes if s), rules.low_precision,
                            float8_rules)
     if why == "float8_operand":  # written in float8 by the user: fine if both operands are
@@ -455,7 +410,7 @@ def _float8_gradients(eqn, backward: bool) -> tuple[bool, bool]:
     if not backward:
         return False, False
     if eqn.primitive.name == "conv_general_dilated":
-        return float8.conv_float8_products(eqn.params)[1:]
+        return float8.conv_float8_products(compat.conv_params(eqn))[1:]
     return True, True
 
 
@@ -477,7 +432,7 @@ def _contracted(eqn) -> list[tuple[str, int]]:
     (``lhs . ct``) the lhs's free dimensions (a layer's batch and tokens).
     """
     lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    (lc, rc), (lb, rb) = compat.dimension_numbers(eqn)
     free = lambda shape, c, b: math.prod(n for d, n in enumerate(shape) if d not in c and d not in b)
     return [("forward", math.prod(lhs[d] for d in lc)),
             ("input-gradient", free(rhs, rc, rb)),

@@ -69,6 +69,7 @@ import numpy as np
 from jax import lax
 
 from jaxmp._src import casting
+from jaxmp._src import compat
 from jaxmp._src import interpret
 from jaxmp._src import sharding
 
@@ -77,7 +78,7 @@ FLOAT8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 #: The dtype of cotangents in the backward products.
 GRAD_DTYPE = jnp.dtype(jnp.float8_e5m2)
 #: The primitives :func:`jaxmp.autocast` runs in float8 by default.
-FLOAT8_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
+FLOAT8_PRIMITIVES = compat.FLOAT8_PRIMITIVES
 
 
 def is_float8_dtype(dtype: Any) -> bool:
@@ -215,10 +216,10 @@ def product_of(eqn, scope: str) -> Product:
     lhs, rhs = (tuple(v.aval.shape) for v in eqn.invars[:2])
     out = tuple(eqn.outvars[0].aval.shape)
     if eqn.primitive.name == "dot_general":
-        (contract, _), _ = eqn.params["dimension_numbers"]
+        (contract, _), _ = compat.dimension_numbers(eqn)
         macs = math.prod(out) * math.prod(lhs[i] for i in contract)
     else:
-        out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+        out_features = rhs[compat.dimension_numbers(eqn).rhs_spec[0]]
         macs = math.prod(out) * math.prod(rhs) // max(out_features, 1)
     return Product(eqn.primitive.name, lhs, rhs, 2 * macs, scope)
 
@@ -258,7 +259,7 @@ def placement(eqn, scope: str, low_precision: Iterable[str], rules: Float8Rules)
         return "rules"
     if len(floats) != 2 or len(dtypes) != 2:
         return "operand"
-    if eqn.primitive.name == "conv_general_dilated" and not conv_float8_products(eqn.params)[0]:
+    if eqn.primitive.name == "conv_general_dilated" and not conv_float8_products(compat.conv_params(eqn))[0]:
         return "transposed_conv"
     return None
 
@@ -478,7 +479,7 @@ def _conv_transpose(params, operand, wrt: int, other_struct, ct):
     stand_in = params["preferred_element_type"] or jnp.float32
 
     def conv(x, y):
-        return lax.conv_general_dilated_p.bind(x, y, **params)
+        return compat.bind_conv(x, y, params)
 
     def transpose(known, g):
         if wrt == 0:
@@ -545,7 +546,7 @@ def _scaled_conv(a, b, *, params, matmul_dtype, out_dtype):
     _, input_gradient8, _ = conv_float8_products(params)
 
     def conv(x, y):
-        return lax.conv_general_dilated_p.bind(x, y, **narrow)
+        return compat.bind_conv(x, y, narrow)
 
     @jax.custom_vjp
     def product(a, b):
@@ -973,7 +974,7 @@ def scaled_product(eqn, invals, compute_dtype: np.dtype, matmul_dtype: np.dtype,
     a, b = invals
     with interpret.at_source_of(eqn):
         if eqn.primitive.name == "dot_general":
-            return recipe.dot(a, b, dimension_numbers=eqn.params["dimension_numbers"],
+            return recipe.dot(a, b, dimension_numbers=compat.dimension_numbers(eqn),
                               matmul_dtype=matmul_dtype, out_dtype=compute_dtype)
-        return recipe.conv(a, b, params=dict(eqn.params), matmul_dtype=matmul_dtype,
+        return recipe.conv(a, b, params=compat.params_for_bind(eqn), matmul_dtype=matmul_dtype,
                            out_dtype=compute_dtype)

@@ -34,6 +34,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from jaxmp._src import compat
+
 # Checked states, oldest first: (copy of the alarm word, the check to run, whether
 # the background reader may run the check).
 _PENDING: collections.deque = collections.deque()
@@ -56,7 +58,7 @@ _HOST_CALLBACKS = jax.make_user_context(default_value=True)
 
 def is_concrete_array(x: Any) -> bool:
     """Whether ``x`` is a jax.Array with a value (not a tracer, not a shape)."""
-    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    return isinstance(x, jax.Array) and not compat.is_tracer(x)
 
 
 def watch(alarm: jax.Array, check: Callable[[np.ndarray], None], *,

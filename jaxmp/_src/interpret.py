@@ -33,6 +33,10 @@ The API:
   would see, for custom derivative rules, and back).
 * :func:`bind` binds an equation's primitive on arrays, as
   ``jax.core.eval_jaxpr`` does.
+* An equation the interpreter does not understand (parameters a JAX release
+  changed, or a higher-order primitive without a handler) runs as written
+  (:meth:`~Interpreter.as_written`), and a
+  :class:`~jaxmp.UnknownEquationWarning` names its primitive once.
 
 A handler is ``handler(interpreter, eqn, invals) -> list of outvals``; it
 calls ``interpreter.eval_closed`` (or ``eval_jaxpr``) on the sub-jaxprs.
@@ -58,14 +62,11 @@ first-order primitives it meets, nested ``jit`` included:
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend import core as jex_core
-from jax.extend import source_info_util
 
 from jaxmp._src import casting
 from jaxmp._src import compat
@@ -73,18 +74,9 @@ from jaxmp._src import compat
 Handler = Callable[["Interpreter", Any, list], list]
 
 
-@contextlib.contextmanager
-def at_source_of(eqn):
-    """Equations bound inside this block carry the source of ``eqn``: the user's line and names.
-
-    The names are the ones ``jax.core.eval_jaxpr`` gives: the name stack of the
-    current trace followed by the equation's own (its ``jax.named_scope``s,
-    Flax and Haiku module paths), so that the compiled program's ``op_name``
-    metadata and a profile show the user's layers.
-    """
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
-        yield
+#: Equations bound inside this block carry the source of ``eqn``: the user's line and names
+#: (:func:`jaxmp._src.compat.at_source_of`).
+at_source_of = compat.at_source_of
 
 
 def bind(eqn, invals: Sequence[Any], params: Mapping[str, Any] | None = None) -> list[Any]:
@@ -94,11 +86,7 @@ def bind(eqn, invals: Sequence[Any], params: Mapping[str, Any] | None = None) ->
     not this function's, so that a program rewritten by an interpreter still
     points at the user's code.
     """
-    params = eqn.params if params is None else params
-    with at_source_of(eqn):
-        subfuns, bind_params = compat.bind_params(eqn.primitive, params)
-        out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
-    return list(out) if eqn.primitive.multiple_results else [out]
+    return compat.bind(eqn, invals, params)
 
 
 class Interpreter:
@@ -119,7 +107,7 @@ class Interpreter:
         env: dict[Any, Any] = {}
 
         def read(v):
-            return self.literal(v) if isinstance(v, jex_core.Literal) else env[v]
+            return self.literal(v) if compat.is_literal(v) else env[v]
 
         for v, x in zip(jaxpr.constvars, consts):
             env[v] = x
@@ -136,11 +124,31 @@ class Interpreter:
         return self.eval_jaxpr(closed.jaxpr, [self.const(c) for c in closed.consts], args)
 
     def eval_eqn(self, eqn, invals: list) -> list:
-        """One equation: its handler if its primitive has one, else :meth:`first_order`."""
+        """One equation: its handler if its primitive has one, else :meth:`first_order`.
+
+        An equation whose parameters are not what jaxmp knows
+        (:class:`~jaxmp._src.compat.UnknownEquation`) runs :meth:`as_written`;
+        a higher-order one without a handler goes to :meth:`first_order` (which
+        cannot look inside it). Both say so once per primitive.
+        """
         handler = self.handlers.get(eqn.primitive.name)
-        if handler is not None:
-            return handler(self, eqn, invals)
-        return self.first_order(eqn, invals)
+        try:
+            if handler is not None:
+                return handler(self, eqn, invals)
+            if compat.is_higher_order(eqn):
+                _warn_unknown(eqn, "jaxmp has no rule for its body")
+            return self.first_order(eqn, invals)
+        except compat.UnknownEquation as e:
+            _warn_unknown(eqn, f"{e}; the JAX installed, {jax.__version__}, may be newer than "
+                               "this jaxmp")
+            return self.as_written(eqn, invals)
+
+    def as_written(self, eqn, invals: list) -> list:
+        """``eqn`` run exactly as written: on the original arrays (:meth:`to_original`), its
+        results given back as values (:meth:`from_original`)."""
+        outs = bind(eqn, [self.to_original(x, v.aval) for x, v in zip(invals, eqn.invars)])
+        return [self.from_original(o, jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype))
+                for o, v in zip(outs, eqn.outvars)]
 
     # --- What a client overrides -----------------------------------------------------------
 
@@ -215,63 +223,70 @@ class Interpreter:
         return array
 
 
+def _warn_unknown(eqn, why: str) -> None:
+    # census holds the warn-once record; it imports float8, which imports this module.
+    from jaxmp._src import census  # pylint: disable=import-outside-toplevel
+    name = eqn.primitive.name
+    census.warn_once(
+        ("unknown equation", name),
+        f"jaxmp does not understand a {name} equation ({why}), so it runs as written, in its "
+        f"own dtypes: nothing inside it is autocast or diagnosed. Call jaxmp's function inside "
+        f"it instead, upgrade jaxmp, or report the {name} primitive.",
+        compat.UnknownEquationWarning)
+
+
 # --- The handlers of higher-order primitives ------------------------------------------------
 
 
 def _call(interp: Interpreter, eqn, invals):
-    closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    if isinstance(closed, jex_core.ClosedJaxpr):
-        return interp.eval_closed(closed, invals)
-    return interp.eval_jaxpr(closed, (), invals)
+    return interp.eval_closed(compat.closed(compat.called_jaxpr(eqn)), invals)
 
 
 def _checkpoint(interp: Interpreter, eqn, invals):
-    jaxpr = eqn.params["jaxpr"]
+    p = compat.checkpoint(eqn)
 
     def body(*xs):
-        return interp.eval_jaxpr(jaxpr, (), xs)
+        return interp.eval_jaxpr(p.body, (), xs)
 
-    return list(jax.checkpoint(
-        body, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy")
-    )(*invals))
+    return list(jax.checkpoint(body, prevent_cse=p.prevent_cse, policy=p.policy)(*invals))
 
 
 def _scan(interp: Interpreter, eqn, invals):
-    p = eqn.params
-    nc, ncarry = p["num_consts"], p["num_carry"]
+    p = compat.scan(eqn)
+    nc, ncarry = p.num_consts, p.num_carry
     carry_avals = [v.aval for v in eqn.invars[nc:nc + ncarry]]
     consts, init, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
 
     def step(carry, x):
-        outs = interp.eval_closed(p["jaxpr"], [*consts, *carry, *x])
+        outs = interp.eval_closed(p.body, [*consts, *carry, *x])
         return interp.loop_carry(outs[:ncarry], carry_avals), outs[ncarry:]
 
     carry, ys = lax.scan(
-        step, interp.loop_carry(list(init), carry_avals), list(xs), length=p["length"],
-        reverse=p["reverse"], unroll=p["unroll"], _split_transpose=p.get("_split_transpose", False),
+        step, interp.loop_carry(list(init), carry_avals), list(xs), length=p.length,
+        reverse=p.reverse, unroll=p.unroll, _split_transpose=p.split_transpose,
     )
     return [*carry, *ys]
 
 
 def _while(interp: Interpreter, eqn, invals):
-    p = eqn.params
-    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    p = compat.while_loop(eqn)
+    cn, bn = p.cond_nconsts, p.body_nconsts
     cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
     carry_avals = [v.aval for v in eqn.invars[cn + bn:]]
 
     def cond_fun(carry):
-        (pred,) = interp.eval_closed(p["cond_jaxpr"], [*cconsts, *carry])
-        return interp.to_original(pred, p["cond_jaxpr"].out_avals[0])
+        (pred,) = interp.eval_closed(p.cond, [*cconsts, *carry])
+        return interp.to_original(pred, p.cond.out_avals[0])
 
     def body_fun(carry):
-        outs = interp.eval_closed(p["body_jaxpr"], [*bconsts, *carry])
+        outs = interp.eval_closed(p.body, [*bconsts, *carry])
         return interp.loop_carry(outs, carry_avals)
 
     return list(lax.while_loop(cond_fun, body_fun, interp.loop_carry(list(init), carry_avals)))
 
 
 def _cond(interp: Interpreter, eqn, invals):
-    branches = eqn.params["branches"]
+    branches = compat.cond_branches(eqn)
     index, ops = invals[0], invals[1:]
     avals = [v.aval for v in eqn.outvars]
 
@@ -292,8 +307,10 @@ def _custom_parts(interp: Interpreter, eqn):
     """The body under ``interp`` and the call as written, in the original dtypes."""
     in_avals = [v.aval for v in eqn.invars]
 
+    body = compat.closed(compat.called_jaxpr(eqn))
+
     def primal(*xs):
-        return interp.eval_closed(eqn.params["call_jaxpr"], xs)
+        return interp.eval_closed(body, xs)
 
     def original(*xs):
         return bind(eqn, xs)
@@ -347,11 +364,7 @@ def _custom_vjp(interp: Interpreter, eqn, invals):
 #: The default handler table: primitive name -> handler.
 HANDLERS: Mapping[str, Handler] = {
     "jit": _call,
-    "pjit": _call,
-    "closed_call": _call,
-    "core_call": _call,
-    "checkpoint": _checkpoint,
-    "remat": _checkpoint,
+    "closed_call": _call,  # a legacy name (compat.LEGACY_PRIMITIVES)
     "remat2": _checkpoint,
     "scan": _scan,
     "while": _while,
@@ -369,49 +382,49 @@ EAGER_LOOP_BUDGET = 20_000
 
 
 def _is_concrete(values) -> bool:
-    return not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(values))
+    return not any(compat.is_tracer(x) for x in jax.tree_util.tree_leaves(values))
 
 
 def _eager_cond(interp: Interpreter, eqn, invals):
-    branches = eqn.params["branches"]
+    branches = compat.cond_branches(eqn)
     index = int(interp.to_original(invals[0], eqn.invars[0].aval))
     return interp.eval_closed(branches[min(max(index, 0), len(branches) - 1)], invals[1:])
 
 
 def _eager_scan(interp: Interpreter, eqn, invals):
-    p = eqn.params
-    if not p["length"] or p["length"] * len(p["jaxpr"].jaxpr.eqns) > EAGER_LOOP_BUDGET:
+    p = compat.scan(eqn)
+    if not p.length or p.length * len(p.body.jaxpr.eqns) > EAGER_LOOP_BUDGET:
         return None
-    nc, ncarry = p["num_consts"], p["num_carry"]
+    nc, ncarry = p.num_consts, p.num_carry
     consts, carry, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
-    steps = range(p["length"])
+    steps = range(p.length)
     ys = []
-    for i in (reversed(steps) if p["reverse"] else steps):
+    for i in (reversed(steps) if p.reverse else steps):
         x = [jax.tree_util.tree_map(lambda v, i=i: v[i], x) for x in xs]
-        outs = interp.eval_closed(p["jaxpr"], [*consts, *carry, *x])
+        outs = interp.eval_closed(p.body, [*consts, *carry, *x])
         carry = outs[:ncarry]
         ys.append(outs[ncarry:])
-    if p["reverse"]:
+    if p.reverse:
         ys.reverse()
     stacked = [jax.tree_util.tree_map(lambda *vs: jnp.stack(vs), *per_step) for per_step in zip(*ys)]
     return [*carry, *stacked]
 
 
 def _eager_while(interp: Interpreter, eqn, invals):
-    p = eqn.params
-    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    p = compat.while_loop(eqn)
+    cn, bn = p.cond_nconsts, p.body_nconsts
     cconsts, bconsts, carry = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
-    cost = len(p["cond_jaxpr"].jaxpr.eqns) + len(p["body_jaxpr"].jaxpr.eqns) + 1
+    cost = len(p.cond.jaxpr.eqns) + len(p.body.jaxpr.eqns) + 1
     for _ in range(EAGER_LOOP_BUDGET // cost):
-        (pred,) = interp.eval_closed(p["cond_jaxpr"], [*cconsts, *carry])
-        if not bool(interp.to_original(pred, p["cond_jaxpr"].out_avals[0])):
+        (pred,) = interp.eval_closed(p.cond, [*cconsts, *carry])
+        if not bool(interp.to_original(pred, p.cond.out_avals[0])):
             return carry
-        carry = interp.eval_closed(p["body_jaxpr"], [*bconsts, *carry])
+        carry = interp.eval_closed(p.body, [*bconsts, *carry])
     return _while(interp, eqn, [*cconsts, *bconsts, *carry])  # the rest of a long loop, traced
 
 
 # ``checkpoint`` and custom derivative rules: on concrete values, only the primal matters.
-_EAGER = {"checkpoint": _call, "remat": _call, "remat2": _call,
+_EAGER = {"remat2": _call,
           "custom_jvp_call": _call, "custom_vjp_call": _call,
           "cond": _eager_cond, "scan": _eager_scan, "while": _eager_while}
 

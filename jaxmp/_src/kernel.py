@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxmp._src import casting
 from jaxmp._src import census
+from jaxmp._src import compat
 from jaxmp._src import interpret
 from jaxmp._src import loss_scale
 from jaxmp._src import sharding
@@ -400,7 +401,7 @@ class Step:
                 # jaxpr's constants run eagerly in NumPy, which warns about
                 # overflows that tracing the user's code did not.
                 with np.errstate(all="ignore"):
-                    return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *arrays)
+                    return compat.eval_jaxpr(closed.jaxpr, closed.consts, *arrays)
 
             call = interpret.transform(self.call, census_then_run)
         loss, aux = split_aux(call(*args, **kwargs), self.has_aux)

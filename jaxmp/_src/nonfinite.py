@@ -47,10 +47,10 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
 
 from jaxmp._src import casting
 from jaxmp._src import census
+from jaxmp._src import compat
 from jaxmp._src import kernel
 from jaxmp._src import interpret
 from jaxmp._src import loss_scale
@@ -62,11 +62,9 @@ PyTree = Any
 
 _DTYPE_PARAMS = ("new_dtype", "preferred_element_type", "dtype")
 # Derivatives of these blow up for small inputs (1/x, x**-1.5, ...).
-_SINGULAR = frozenset({"rsqrt", "sqrt", "div", "log", "pow", "integer_pow", "cbrt", "atanh",
-                       "acos", "asin"})
-_SUMS = frozenset({"reduce_sum", "cumsum", "reduce_window_sum", "dot_general",
-                   "conv_general_dilated", "add_any"})
-_EXPS = frozenset({"exp", "exp2", "expm1", "pow", "integer_pow", "square", "sinh", "cosh"})
+_SINGULAR = compat.SINGULAR
+_SUMS = compat.SUMS
+_EXPS = compat.EXPS
 # jaxmp's own package folder, wherever it is installed or checked out (a user's
 # project folder that happens to be called "jaxmp" is not library code).
 _MAX_PER_PASS = 12
@@ -75,16 +73,7 @@ _MAX_UNDERFLOWS = 4
 _SENTINEL = 1e30
 # An underflow is reported when at least this fraction of a result flushes to zero.
 _UNDERFLOW_FRACTION = 0.01
-_SCATTERS = {
-    "scatter-add": jax.lax.scatter_add,
-    "scatter_add": jax.lax.scatter_add,
-    "scatter-mul": jax.lax.scatter_mul,
-    "scatter_mul": jax.lax.scatter_mul,
-    "scatter-min": jax.lax.scatter_min,
-    "scatter_min": jax.lax.scatter_min,
-    "scatter-max": jax.lax.scatter_max,
-    "scatter_max": jax.lax.scatter_max,
-}
+_SCATTERS = compat.SCATTERS
 
 
 class Finding(NamedTuple):
@@ -249,11 +238,11 @@ def _shadow_of(eqn, halves: list, shadows: list, outs: list) -> list:
     """The float32 shadow of ``eqn``'s results ``outs``: ``eqn`` on ``shadows``, its half-precision
     dtype parameters widened (or, where that cannot run, its results widened)."""
     name = eqn.primitive.name
-    params = dict(eqn.params)
+    params = compat.params_for_bind(eqn)
     widened = False
-    for key in _DTYPE_PARAMS:
-        if params.get(key) is not None and casting.is_half_dtype(params[key]):
-            params[key] = casting.wide_dtype(params[key])
+    for key, dtype in compat.dtype_params(eqn, _DTYPE_PARAMS).items():
+        if casting.is_half_dtype(dtype):
+            params[key] = casting.wide_dtype(dtype)
             widened = True
     if not widened and all(h is s for h, s in zip(halves, shadows)):
         return outs  # nothing half-precision goes in: the shadow is the value itself
@@ -265,8 +254,7 @@ def _shadow_of(eqn, halves: list, shadows: list, outs: list) -> list:
         # Their reduction is a jaxpr typed for the half dtype: let lax build a float32 one.
         keep = ("dimension_numbers", "indices_are_sorted", "unique_indices", "mode")
         return [_SCATTERS[name](*shadows, **{k: params[k] for k in keep if k in params})]
-    if any(isinstance(v, (jex_core.Jaxpr, jex_core.ClosedJaxpr)) or callable(v)
-           for v in params.values()):
+    if compat.is_higher_order(eqn, combiners=True, functions=True):
         return [_widen(o) for o in outs]  # a typed sub-computation: the shadow follows
     try:
         shadow_outs = interpret.bind(eqn, shadows, params)
@@ -290,12 +278,12 @@ def _both_compiled(eqn, halves: list, shadows: list):
     compiled program per signature; ``None`` where that does not apply (traced operands,
     parameters that cannot be a cache key)."""
     operands = (*halves, *shadows)
-    if eqn.effects or any(not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer)
+    if eqn.effects or any(not isinstance(x, jax.Array) or compat.is_tracer(x)
                           for x in operands):
         return None
     same = tuple(h is s for h, s in zip(halves, shadows))
     try:
-        key = (eqn.primitive, tuple(sorted(eqn.params.items())), same,
+        key = (compat.params_key(eqn), same,
                tuple((x.shape, x.dtype, getattr(x, "weak_type", False)) for x in operands))
         run = _BOTH.get(key)
     except TypeError:  # a parameter that is not hashable
@@ -391,7 +379,7 @@ class _Shadow(interpret.Interpreter):
                 for v in eqn.outvars:
                     self.producer[v] = eqn
                 for v in eqn.invars:
-                    if isinstance(v, jex_core.Var):
+                    if compat.is_var(v):
                         self.consumers.setdefault(v, []).append(eqn)
         return super().eval_jaxpr(jaxpr, consts, args)
 
@@ -413,9 +401,9 @@ class _Shadow(interpret.Interpreter):
         inner = census.called_jaxpr(eqn)
         if inner is not None:
             for outer_v, inner_v in zip(eqn.invars, inner.invars):
-                if isinstance(outer_v, jex_core.Var) and outer_v in self.input_paths:
+                if compat.is_var(outer_v) and outer_v in self.input_paths:
                     self.input_paths[inner_v] = self.input_paths[outer_v]
-        transpose = "transpose" in str(eqn.source_info.name_stack)
+        transpose = compat.is_backward(compat.name_stack(eqn))
         self.transposing += transpose
         self.enclosing.append(eqn)
         try:
@@ -454,7 +442,7 @@ class _Shadow(interpret.Interpreter):
         if not source.made_by_jaxmp(eqn, enclosing):
             return source.locate(eqn, enclosing)
         operand = eqn.invars[0] if eqn.invars else None
-        if isinstance(operand, jex_core.Var) and operand in self.input_paths:
+        if compat.is_var(operand) and operand in self.input_paths:
             return self.input_paths[operand], "", "argument"
         # A conversion jaxmp added (autocast narrowing a value for a product, or
         # its transpose in the backward pass): the user's operation it feeds,
@@ -508,13 +496,13 @@ class _Shadow(interpret.Interpreter):
                             nearby.append(c)
                 else:
                     for v in e.invars:
-                        p = self.producer.get(v) if isinstance(v, jex_core.Var) else None
+                        p = self.producer.get(v) if compat.is_var(v) else None
                         if p is None:
                             continue
                         inner = census.called_jaxpr(p)
                         if inner is not None:
                             inner_v = inner.outvars[p.outvars.index(v)]
-                            if isinstance(inner_v, jex_core.Var) and inner_v in self.producer:
+                            if compat.is_var(inner_v) and inner_v in self.producer:
                                 nearby.append(self.producer[inner_v])
                         nearby.append(p)
             frontier = [e for e in nearby if id(e) not in seen]
@@ -532,7 +520,7 @@ class _Shadow(interpret.Interpreter):
             if not casting.is_float_array(h) or h.size == 0:
                 continue
             site = self._site(eqn, i, h)
-            if any(isinstance(x, jax.core.Tracer) for x in (*in_h, *in_s, h, s)):
+            if any(compat.is_tracer(x) for x in (*in_h, *in_s, h, s)):
                 # Inside a loop too long to run one iteration at a time: check on the
                 # host at run time.
                 jax.debug.callback(functools.partial(self._host_check, site), in_h, in_s, h, s)
@@ -568,7 +556,7 @@ def _shard_map(shadow: _Shadow, eqn, invals: list) -> list:
     """A ``shard_map`` (or ``pmap``): its body on the global arrays, one operation at a time."""
     batched = one_device.as_batched(eqn)
     for outer_v, inner_v in zip(eqn.invars, batched.jaxpr.jaxpr.invars):
-        if isinstance(outer_v, jex_core.Var) and outer_v in shadow.input_paths:
+        if compat.is_var(outer_v) and outer_v in shadow.input_paths:
             shadow.input_paths[inner_v] = shadow.input_paths[outer_v]
     blocks = [tuple(batched.split(i, x) for x in pair) for i, pair in enumerate(invals)]
     outs = shadow.eval_closed(batched.jaxpr, blocks)
@@ -905,7 +893,7 @@ def find_nonfinite(
     names = _parameter_names(loss_fn)
 
     def report_fn(*args, scaler_state=None, **kwargs) -> NonfiniteReport:
-        if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs))):
+        if any(compat.is_tracer(x) for x in jax.tree_util.tree_leaves((args, kwargs))):
             raise TypeError(
                 "The function returned by jaxmp.find_nonfinite returns a report (Python data) "
                 "and must be called outside jit, vmap, pmap and shard_map. To diagnose a step "

@@ -27,8 +27,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jex_core
 
+from jaxmp._src import compat
 from jaxmp._src import interpret
 
 
@@ -99,32 +99,24 @@ class _Unvarying(interpret.Interpreter):
 
     def first_order(self, eqn, invals):
         name = eqn.primitive.name
-        if name in ("pvary", "pbroadcast"):
+        if name in compat.UNVARYING and compat.UNVARYING[name] is None:  # pvary, pbroadcast
             return list(invals)
         if name == "psum_invariant":
             with interpret.at_source_of(eqn):
-                return list(jax.lax.psum(tuple(invals), eqn.params["axes"]))
+                return list(jax.lax.psum(tuple(invals), compat.psum_axes(eqn)))
         if name == "all_gather_invariant":
-            p = eqn.params
+            p = compat.all_gather(eqn)
             with interpret.at_source_of(eqn):
-                return [jax.lax.all_gather(invals[0], p["axis_name"],
-                                           axis=p["all_gather_dimension"], tiled=p["tiled"])]
+                return [jax.lax.all_gather(invals[0], p.axis_name,
+                                           axis=p.dimension, tiled=p.tiled)]
         return interpret.bind(eqn, invals)
-
-
-def manual_axes(params) -> frozenset:
-    """The mesh axes a ``shard_map`` equation makes manual (its parameter's name varies)."""
-    for key in ("manual_axes", "newly_manual_axes", "axis_names"):
-        if params.get(key) is not None:
-            return frozenset(params[key])
-    return frozenset(params["mesh"].axis_names)
 
 
 def as_batched(eqn) -> Batched:
     """The ``shard_map`` equation ``eqn`` as one program on one device (see the module)."""
-    params = eqn.params
-    manual = manual_axes(params)
-    mesh = params["mesh"]
+    params = compat.shard_map(eqn)
+    manual = params.manual_axes
+    mesh = params.mesh
     axes = tuple(a for a in mesh.axis_names if a in manual)
     sizes = dict(mesh.shape)
 
@@ -136,11 +128,11 @@ def as_batched(eqn) -> Batched:
                                      for e in entries)))
         return tuple(out)
 
-    ins = layouts(params["in_specs"], eqn.invars)
-    outs = layouts(params["out_specs"], eqn.outvars)
-    body = params["jaxpr"]
-    consts = body.consts if isinstance(body, jex_core.ClosedJaxpr) else ()
-    body = getattr(body, "jaxpr", body)
+    ins = layouts(params.in_specs, eqn.invars)
+    outs = layouts(params.out_specs, eqn.outvars)
+    body = compat.closed(params.body)
+    consts = body.consts
+    body = body.jaxpr
 
     def fn(*xs):
         return _Unvarying().eval_jaxpr(body, consts, list(xs))

@@ -14,13 +14,11 @@ the float8 warning's table (``census._WIDER``) where it has them.
 from __future__ import annotations
 
 import os
-import re
 import textwrap
 from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
-from jax.extend import core as jex_core
 
 from jaxmp._src import casting
 from jaxmp._src import census
@@ -30,15 +28,9 @@ from jaxmp._src import float8
 from jaxmp._src import source
 
 
-# Name-stack entries JAX adds itself (transformations, control flow, checkpoints).
-_JAX_SCOPES = re.compile(r"^(jit|pjit|jvp|transpose|vmap|checkpoint|remat|rematted_computation"
-                         r"|while|cond|scan|body|branch|closed_call|custom_jvp_call"
-                         r"|custom_vjp_call|shard_map|xmap|pmap)$")
-_WRAPPED = re.compile(r"^(\w+)\((.*)\)$")
 # Operations that move or convert a value without computing a new one: followed back to
 # find where a wide operand comes from.
-_MOVES = frozenset({"convert_element_type", "reshape", "broadcast_in_dim", "transpose", "squeeze",
-                    "expand_dims", "copy", "copy_p", "slice", "dynamic_slice"})
+_MOVES = compat.MOVES
 
 
 # Why a product is not in the requested precision, by reason, for the reasons census._WIDER
@@ -284,16 +276,11 @@ def _count(n: int) -> str:
 
 def _unwrap(part: str) -> str:
     """A name-stack entry without JAX's wrappers: ``transpose(jvp(Net))`` gives ``Net``."""
-    while True:
-        found = _WRAPPED.match(part)
-        if found is None or not _JAX_SCOPES.match(found.group(1)):
-            break
-        part = found.group(2)
-    return "" if _JAX_SCOPES.match(part) else part
+    return compat.without_transforms(part)
 
 
 def _name_stack(eqn, enclosing: tuple) -> str:
-    return "/".join(s for s in (str(e.source_info.name_stack) for e in (*enclosing, eqn)) if s)
+    return "/".join(s for s in (compat.name_stack(e) for e in (*enclosing, eqn)) if s)
 
 
 def layer_path(name_stack: str) -> str:
@@ -344,7 +331,7 @@ class _Program:
     def _sources(self, v, depth: int = 0):
         """Where ``v`` is moved or converted from: ``(eqn, enclosing)`` pairs, and
         ``("closure", None)`` or ``("argument", None)`` for an input of the program."""
-        while depth < 64 and not isinstance(v, jex_core.Literal):
+        while depth < 64 and not compat.is_literal(v):
             depth += 1
             if v in self.origin:
                 yield self.origin[v], None
@@ -395,7 +382,7 @@ def _made_by_autocast(eqn, enclosing: tuple) -> bool:
 
 def _widens(eqn) -> bool:
     """Whether a ``convert_element_type`` makes its operand wider."""
-    return (np.dtype(eqn.params["new_dtype"]).itemsize
+    return (np.dtype(compat.new_dtype(eqn)).itemsize
             > np.dtype(eqn.invars[0].aval.dtype).itemsize)
 
 
@@ -414,7 +401,7 @@ def _why(program: _Program, eqn, enclosing: tuple, name_stack: str, key: str,
         return "conv_backward"
     # A custom_vjp's backward rule is traced inside its own transpose: transpose(...(transpose(.
     if (any(e.primitive.name in census._CUSTOM_RULES for e in enclosing)
-            or name_stack.count("transpose(") > 1):
+            or compat.transpose_depth(name_stack) > 1):
         return "custom_rule"
     if matmul is not None and (key == compute.name if compute is not None
                                else key in diagnostics._HALF_NAMES):
@@ -469,7 +456,8 @@ def _products(program: _Program) -> list[_Product]:
     found = []
     for eqn, flops, enclosing in census.census(program.jaxpr):
         stack = _name_stack(eqn, enclosing)
-        found.append(_Product(layer_path(stack), "backward" if "transpose(" in stack else "forward",
+        found.append(_Product(layer_path(stack),
+                              "backward" if compat.is_backward(stack) else "forward",
                               _dtype_key(eqn), flops, eqn, enclosing, stack,
                               source.location_key(eqn, enclosing)))
     # JAX traces some rules (a custom_vjp's forward: float8 products) outside the user's

@@ -318,12 +318,12 @@ def _gradient_dot(g, y, x_ndim, dims, swap, precision, out_dtype):
 
 
 def _wide_gradient_dot(eqn, wide):
-    dims = eqn.params["dimension_numbers"]
-    precision = eqn.params.get("precision")
+    dims = compat.dimension_numbers(eqn)
+    precision = compat.precision(eqn)
 
     @jax.custom_vjp
     def dot(x, y):
-        return eqn.primitive.bind(x, y, **eqn.params)
+        return compat.bind_with(eqn, [x, y])
 
     def fwd(x, y):
         return dot(x, y), (x, y)
@@ -342,11 +342,11 @@ def _wide_gradient_dot(eqn, wide):
 
 def _wide_gradient_gather(eqn, wide):
     """``all_gather`` whose gradient (a reduce-scatter) is summed in ``wide``: FSDP in shard_map."""
-    params = eqn.params
+    params = compat.all_gather(eqn)
 
     @jax.custom_vjp
     def gather(x):
-        return eqn.primitive.bind(x, **params)
+        return compat.bind_with(eqn, [x])
 
     dtype = eqn.invars[0].aval.dtype
 
@@ -355,8 +355,8 @@ def _wide_gradient_gather(eqn, wide):
 
     def bwd(_, g):
         out = jax.lax.psum_scatter(
-            g.astype(wide), params["axis_name"], scatter_dimension=params["all_gather_dimension"],
-            axis_index_groups=params["axis_index_groups"], tiled=params["tiled"])
+            g.astype(wide), params.axis_name, scatter_dimension=params.dimension,
+            axis_index_groups=params.axis_index_groups, tiled=params.tiled)
         return (out.astype(dtype),)
 
     gather.defvjp(fwd, bwd)

@@ -23,7 +23,7 @@ _JAXMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.se
 
 def frames(eqn) -> list:
     """The user frames of ``eqn``'s traceback, innermost first ([] when unknown)."""
-    return compat.user_frames(eqn.source_info.traceback)
+    return compat.user_frames(compat.traceback(eqn))
 
 
 def summary(frame) -> str:
