@@ -710,3 +710,44 @@ def test_a_value_cast_inside_a_loop_body_and_outside_it():
     w, xs = jnp.full((4, 4), 0.25), jnp.ones((3, 2, 4))
     _assert_close(jaxmp.autocast(f, F16)(w, xs), f(w, xs), rtol=1e-3)
     _assert_close(jax.grad(jaxmp.autocast(f, F16))(w, xs), jax.grad(f)(w, xs), rtol=1e-3)
+
+
+def _forced_middle_loss(force):
+    def loss(w, x):
+        h = x @ w["a"]
+        middle = lambda h, b: jnp.tanh(h @ b)
+        h = (jaxmp.force_full_precision(middle) if force else middle)(h, w["b"])
+        return jnp.sum(h @ w["c"])
+    return loss
+
+
+@pytest.mark.parametrize("compute_dtype", [jnp.bfloat16, jnp.float16])
+def test_force_full_precision_runs_its_products_in_float32_under_autocast(compute_dtype):
+    """Autocast decides precision from a float32 trace, where force_full_precision's casts to
+    float32 vanish: its code must still run in float32, forward and backward."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    w = {n: jax.random.normal(k, (16, 16)) for n, k in zip("abc", keys)}
+    x = jax.random.normal(keys[3], (8, 16))
+    one = 2 * 8 * 16 * 16  # FLOPs of each product, forward or backward
+
+    def step(force):
+        # No loss scale: float16's initial dynamic scale would overflow this first step.
+        f = jaxmp.mp_value_and_grad(_forced_middle_loss(force), compute_dtype=compute_dtype)
+        return lambda w, x: f(w, x, scaler_state=jaxmp.noop_scaler())
+
+    name = jnp.dtype(compute_dtype).name
+    # Without it every product is in the compute dtype (forward 3, backward 5: x is not
+    # differentiated) ...
+    assert jaxmp.matmul_flops(step(False), w, x) == {name: 8 * one}
+    # ... with it, the middle product and its two backward products run in float32.
+    assert jaxmp.matmul_flops(step(True), w, x) == {name: 5 * one, "float32": 3 * one}
+    # Its gradient is float32's (the product and the tanh in float32); the others are not.
+    loss, grads, _, finite = jax.jit(step(True))(w, x)
+    assert bool(finite)
+    _, reference = jax.value_and_grad(_forced_middle_loss(False))(w, x)
+    np.testing.assert_allclose(grads["c"], reference["c"], rtol=0.05, atol=0.05 * float(
+        jnp.abs(reference["c"]).max()))
+    report = jaxmp.precision_report(step(True), w, x, compute_dtype=compute_dtype)
+    forced = [row for row in report.wider if row.reason == "forced"]
+    assert forced and sum(row.flops for row in forced) == 3 * one, str(report)
+    assert "jaxmp.force_full_precision" in str(report)

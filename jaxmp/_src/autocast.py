@@ -477,6 +477,16 @@ class _Autocast(interpret.Interpreter):
             # Integers, booleans, keys: exactly as written.
             return interpret.bind(eqn, invals), [_PLAIN] * nout
 
+        if casting.in_full_precision_scope("/".join(self._scopes)):
+            # Inside jaxmp.force_full_precision: in float32 (products included), but for the
+            # casts it writes (its return_dtype).
+            cast = list(invals)
+            for i in floats:
+                cast[i] = self.cast(cast[i], casting.wide_dtype(in_avals[i].dtype))
+            outs = interpret.bind(eqn, cast)
+            return outs, [_KEPT if casting.is_float_dtype(o.dtype) and o.dtype.itemsize >= 4
+                          else _PLAIN for o in outs]
+
         if name == "convert_element_type":
             (x,), (k,) = invals, kinds
             new = compat.new_dtype(eqn)

@@ -283,11 +283,25 @@ def cast_function(fn: Callable, dtype: Any, return_dtype: Any = None) -> Callabl
     return wrapped
 
 
+#: The named scope of the code :func:`force_full_precision` runs: autocast runs every
+#: operation inside it in float32 (matrix products included), and ``precision_report``
+#: names its products for what they are.
+FULL_PRECISION_SCOPE = "jaxmp.force_full_precision"
+
+
+def in_full_precision_scope(name_stack: str) -> bool:
+    """Whether a name stack (``a/b/c``) is inside :func:`force_full_precision`'s code."""
+    return FULL_PRECISION_SCOPE in name_stack
+
+
 def force_full_precision(fn: Callable, return_dtype: Any = None) -> Callable:
     """Wraps ``fn`` so that it runs in float32, whatever precision its inputs have.
 
     Use it around the parts of a half-precision model that overflow in float16:
-    large sums and means, softmax over large logits, variances.
+    large sums and means, softmax over large logits, variances. Under
+    :func:`jaxmp.autocast` (``mp_value_and_grad``'s default) every operation of
+    ``fn`` runs in float32 too, its matrix products included: ``fn`` runs in the
+    named scope ``jaxmp.force_full_precision``, which autocast honours.
 
     Args:
         fn: the function to wrap.
@@ -306,4 +320,14 @@ def force_full_precision(fn: Callable, return_dtype: Any = None) -> Callable:
     """
     check_function(fn, "jaxmp.force_full_precision",
                    "force_full_precision(fn, return_dtype=None)")
-    return cast_function(fn, jnp.float32, return_dtype)
+    wide = cast_function(fn, jnp.float32, return_dtype)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        # Under autocast the arguments are often float32 already (autocast decides each
+        # operation's precision from a float32 trace), so the casts above vanish from the
+        # program: the scope is what tells autocast to run this code in float32.
+        with jax.named_scope(FULL_PRECISION_SCOPE):
+            return wide(*args, **kwargs)
+
+    return wrapped

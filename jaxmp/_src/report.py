@@ -54,6 +54,10 @@ _REASONS = {
         "its operands are {dtypes}, made by your code{origin}",
         "run the step under autocast (mp_value_and_grad's default), or cast that value "
         "(e.g. the layer's dtype=) to {compute}"),
+    "forced": census._Why(
+        "it is inside jaxmp.force_full_precision, which runs it in float32 on purpose",
+        "nothing, if it overflows in {compute}; to run it in {compute}, call that code "
+        "without jaxmp.force_full_precision"),
     "outside": census._Why(
         "it is outside the functions jaxmp runs under autocast (the loss given to "
         "mp_value_and_grad, a function given to jaxmp.autocast), so it runs as your code "
@@ -103,8 +107,9 @@ class Wider(NamedTuple):
         flops: their FLOPs.
         reason: why: ``"kept"`` (your :class:`jaxmp.Float8Rules`), ``"user"``
             (an operand your code made: a layer with its own dtype, a value
-            captured by a closure), ``"outside"`` (a product outside the
-            functions autocast runs, in a step where autocast runs others: a
+            captured by a closure), ``"forced"`` (inside
+            :func:`jaxmp.force_full_precision`), ``"outside"`` (a product outside
+            the functions autocast runs, in a step where autocast runs others: a
             rollout's forward pass), ``"operand"`` / ``"float8_operand"`` /
             ``"custom_rule"`` (not supported: a non-floating operand, one float8
             operand, a function with its own derivative rule) or ``"rules"``
@@ -135,8 +140,9 @@ class PrecisionReport(NamedTuple):
         wider: ``Wider(layer, phase, dtype, flops, reason, says, fix, where)``
             named tuples, one per layer path, pass, dtype and reason whose
             products are not in the requested precision; ``reason`` is
-            ``"user"`` (an operand your code made wider), ``"outside"`` (outside
-            the functions autocast runs), ``"kept"`` (your
+            ``"user"`` (an operand your code made wider), ``"forced"`` (inside
+            :func:`jaxmp.force_full_precision`), ``"outside"`` (outside the
+            functions autocast runs), ``"kept"`` (your
             :class:`jaxmp.Float8Rules`), ``"rules"`` (left out of the autocast
             rules' ``low_precision``), ``"operand"``, ``"float8_operand"`` or
             ``"custom_rule"`` (not supported); ``where`` is your file and line.
@@ -403,6 +409,8 @@ def _why(program: _Program, eqn, enclosing: tuple, name_stack: str, key: str,
     if (any(e.primitive.name in census._CUSTOM_RULES for e in enclosing)
             or compat.transpose_depth(name_stack) > 1):
         return "custom_rule"
+    if casting.in_full_precision_scope(name_stack):
+        return "forced"
     if matmul is not None and (key == compute.name if compute is not None
                                else key in diagnostics._HALF_NAMES):
         return "kept"
