@@ -18,3 +18,20 @@ jax.config.update("jax_num_cpu_devices", 4)
 # A mixed-precision library must never rely on implicit promotion
 # (bfloat16 * float32 -> float32 silently throws the saving away).
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+
+def _long_tests() -> frozenset:
+    """The node ids listed in tests/long_tests.txt (one per line after its seconds)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "long_tests.txt")
+    with open(path) as f:
+        return frozenset(line.split()[1] for line in f
+                         if line.strip() and not line.startswith("#"))
+
+
+_LONG_TESTS = _long_tests()
+
+
+def pytest_itemcollected(item):
+    # Before -m selects: a long test is a slow one (run by `pytest -m slow`).
+    if item.nodeid in _LONG_TESTS:
+        item.add_marker("slow")
