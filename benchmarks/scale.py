@@ -228,6 +228,46 @@ def measure(name: str, config: models.GPTConfig, layout: str, steps: int = 0) ->
     return row
 
 
+def measure_nonfinite(config: models.GPTConfig, layout: str, steps: int = 3) -> dict[str, Any]:
+    """``jaxmp.find_nonfinite`` on the float16 decoder against one plain step, in this process.
+
+    The plain step is jaxmp's default float16 step (``autocast``), compiled
+    first, its median over ``steps`` calls; the diagnosis is timed from the
+    call to the report, its compilation included (a diagnosis runs once).
+    """
+    scan = layout == "scan"
+    params = models.init_gpt(jax.random.key(0), config)
+    if scan:
+        params = models.stack_blocks(params)
+    tokens = jax.random.randint(jax.random.key(1), (config.batch, config.seq), 0, config.vocab,
+                                jnp.int32)
+    labels = jnp.roll(tokens, -1, axis=1)
+    variant = make_variant("autocast", config, scan)
+    compiled = jax.jit(variant.step, donate_argnums=0).lower(
+        jax.eval_shape(variant.init, params), tokens, labels).compile()
+    live = variant.init(jax.tree_util.tree_map(jnp.copy, params))
+    times = []
+    for i in range(steps + 1):
+        start = time.perf_counter()
+        live, loss = compiled(live, tokens, labels)
+        jax.block_until_ready((live, loss))
+        if i:
+            times.append(time.perf_counter() - start)
+    del live, compiled
+    loss_fn = functools.partial(models.decoder_loss, config=config, scan=scan)
+    find = jaxmp.find_nonfinite(loss_fn, compute_dtype=jnp.float16)
+    start, cpu = time.perf_counter(), time.process_time()
+    report = find(params, tokens, labels)
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    step = statistics.median(times)
+    return {"variant": "find_nonfinite", "depth": config.depth, "layout": layout,
+            "step_s": step, "diagnosis_s": seconds, "diagnosis_cpu_s": cpu,
+            "steps": seconds / step, "findings": len(report.findings),
+            "overflows": sum(f.kind == "overflow" for f in report.findings),
+            "loss": report.loss, "loss_float32": report.loss_float32,
+            "report": str(report)}
+
+
 def _key(row) -> str:
     return f"{row['layout']}/{row['depth']}/{row['variant']}"
 
@@ -258,7 +298,7 @@ def summarise(runs: list[dict]) -> dict[str, Any]:
     if not ok:
         return dict(runs[-1])
     row = dict(ok[0])
-    for key in TIMES:
+    for key in (k for k in TIMES if k in row):
         row[key] = min(r[key] for r in ok)
         row[key.replace("_s", "_wall_s")] = min(r[key.replace("_s", "_wall_s")] for r in ok)
     steps = [r["step_s"] for r in ok if r.get("step_s") is not None]
@@ -329,6 +369,18 @@ def tables(results: dict[str, Any], fit: tuple[int, int]) -> str:
                                f"| {_fmt(_ratio(r, base, 'compile_s'), '.2f', 'x')} "
                                f"| {_fmt(_ratio(r, base, 'trace_s'), '.2f', 'x')} "
                                f"| {_fmt(_ratio(r, base, 'xla_total_bytes'), '.3f', 'x')} |")
+    diagnoses = [r for r in rows.values() if r["variant"] == "find_nonfinite"]
+    if diagnoses:
+        out += ["\n### find_nonfinite (float16) against one plain step\n",
+                "| layout | depth | plain step s | diagnosis s (CPU s) | in steps | findings (overflows) "
+                "| loss float16 / float32 shadow |", "|" + "---|" * 7]
+        for r in sorted(diagnoses, key=lambda r: (r["layout"], r["depth"])):
+            if "error" in r:
+                out.append(f"| {r['layout']} | {r['depth']} | {r['error'][:80]} |" + " |" * 4)
+                continue
+            out.append(f"| {r['layout']} | {r['depth']} | {r['step_s']:.3f} | {r['diagnosis_s']:.1f} "
+                       f"({r['diagnosis_cpu_s']:.1f}) | {r['steps']:.1f} | {r['findings']} ({r['overflows']}) "
+                       f"| {r['loss']:.5f} / {r['loss_float32']:.5f} |")
     lo, hi = fit
     out += [f"\n### Growth exponents from depth {lo} to {hi} (time ~ depth^k)\n",
             "| layout | variant | trace | lower | compile | jaxpr eqns | HLO instr. |", "|" + "---|" * 7]
@@ -357,6 +409,9 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=None, help="seconds per process")
     parser.add_argument("--quick", action="store_true",
                         help="the tiny decoder (width 32, sequence 16), depths 1 and 2, no timed steps")
+    parser.add_argument("--nonfinite", default="",
+                        help="comma-separated depths at which to time jaxmp.find_nonfinite "
+                             "(float16, each layout of --layouts) against one plain step")
     parser.add_argument("--fresh", action="store_true", help="ignore the results already in --out")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -364,8 +419,12 @@ def main(argv=None) -> int:
 
     if args.child:
         name, depth, layout = args.child.split(",")
-        row = measure(name, models.GPTConfig(config.vocab, config.seq, config.width, int(depth),
-                                             config.heads, config.batch), layout, args.steps)
+        sized = models.GPTConfig(config.vocab, config.seq, config.width, int(depth),
+                                 config.heads, config.batch)
+        if name == "find_nonfinite":
+            row = measure_nonfinite(sized, layout, max(args.steps, 1))
+        else:
+            row = measure(name, sized, layout, args.steps)
         print(json.dumps(row), flush=True)
         return 0
 
@@ -411,6 +470,19 @@ def main(argv=None) -> int:
                         json.dump(results, f, indent=1)
                     if "error" in row:
                         break
+    for layout in layouts:
+        for depth in _parse_ints(args.nonfinite):
+            key = f"{layout}/{depth}/find_nonfinite"
+            runs = results["runs"].setdefault(key, [])
+            if not [r for r in runs if "error" not in r]:
+                row = run_child("find_nonfinite", depth, layout, args.quick, max(steps, 2),
+                                args.timeout)
+                runs.append(row)
+                print(f"{key}: " + (row.get("error") or f"{row['diagnosis_s']:.1f} s = "
+                                    f"{row['steps']:.1f} steps, {row['findings']} findings"),
+                      flush=True)
+                with open(path, "w", encoding="utf-8") as f:
+                    json.dump(results, f, indent=1)
     results["rows"] = [summarise(runs) for runs in results["runs"].values() if runs]
     with open(path, "w", encoding="utf-8") as f:
         json.dump(results, f, indent=1)
