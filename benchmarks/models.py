@@ -345,6 +345,71 @@ def gpt_loss(params: Params, tokens: jax.Array, labels: jax.Array, config: GPTCo
     return -jnp.mean(jnp.take_along_axis(log_probs, labels[..., None], axis=-1))
 
 
+# --- The GPT-style decoder of the scaling benchmark, written for any dtype -------------------
+#
+# The parameters of ``init_gpt``; the blocks written like ``vit_apply``'s (no casts:
+# ``jax.nn.standardize``, ``jax.nn.softmax``, Python-scalar constants), so that the model
+# called with float16 parameters is the hand-written float16 step. The causal mask is
+# ``jnp.where(causal, logits, -1e9)``: ``-inf`` in float16, by design.
+
+# Issue 33's decoder (its depth is what the benchmark varies).
+DECODER = GPTConfig(vocab=1024, seq=128, width=256, depth=16, heads=4, batch=8)
+
+
+def _masked_attention(p: Params, x: jax.Array, heads: int) -> jax.Array:
+    batch, tokens, width = x.shape
+    head_dim = width // heads
+    qkv = _dense(p["qkv"], x).reshape(batch, tokens, 3, heads, head_dim)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
+    causal = jnp.tril(jnp.ones((tokens, tokens), bool))
+    weights = jax.nn.softmax(jnp.where(causal, logits, -1e9), axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, tokens, width)
+    return _dense(p["out"], out)
+
+
+def decoder_block(block: Params, x: jax.Array, heads: int) -> jax.Array:
+    """One pre-norm block of :func:`decoder_loss`: causal attention, then a GELU MLP."""
+    x = x + _masked_attention(block, _layer_norm(block["norm1"], x), heads)
+    h = jax.nn.gelu(_dense(block["mlp1"], _layer_norm(block["norm2"], x)))
+    return x + _dense(block["mlp2"], h)
+
+
+def stack_blocks(params: Params) -> Params:
+    """``params`` with its list of blocks stacked into one block of arrays with a leading
+    layer axis: the parameters of ``decoder_loss(..., scan=True)``."""
+    blocks = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *params["blocks"])
+    return {**params, "blocks": blocks}
+
+
+def decoder_loss(params: Params, tokens: jax.Array, labels: jax.Array, config: GPTConfig,
+                 scan: bool = False) -> jax.Array:
+    """Mean next-token cross-entropy of the decoder on int32 ``[B, T]`` tokens.
+
+    With ``scan=True`` the blocks run under ``jax.lax.scan`` over the parameters of
+    :func:`stack_blocks`; otherwise one after another (unrolled).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> params = init_gpt(jax.random.key(0), GPT_TINY)
+        >>> tokens = jnp.zeros((2, 64), jnp.int32)
+        >>> unrolled = decoder_loss(params, tokens, tokens, GPT_TINY)
+        >>> scanned = decoder_loss(stack_blocks(params), tokens, tokens, GPT_TINY, scan=True)
+        >>> unrolled.dtype, bool(jnp.allclose(unrolled, scanned, rtol=1e-5))
+        (dtype('float32'), True)
+    """
+    x = params["embed"][tokens] + params["pos"][: tokens.shape[1]]
+    if scan:
+        x, _ = jax.lax.scan(lambda x, block: (decoder_block(block, x, config.heads), None),
+                            x, params["blocks"])
+    else:
+        for block in params["blocks"]:
+            x = decoder_block(block, x, config.heads)
+    logits = _dense(params["head"], _layer_norm(params["norm"], x))
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(log_probs, labels[..., None], axis=-1))
+
+
 def gpt_batch(config: GPTConfig) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
     """The shapes of a batch: tokens and next-token labels."""
     shape = jax.ShapeDtypeStruct((config.batch, config.seq), jnp.int32)

@@ -115,11 +115,19 @@ def _float32_variant(loss_fn, optimizer, initial_scale, growth_interval) -> Vari
     return Variant("float32", init, grads, step, loss_fn)
 
 
-def _jaxmp_variant(loss_fn, optimizer, initial_scale, growth_interval, *, autocast=False) -> Variant:
-    value_and_grad = jaxmp.mp_value_and_grad(loss_fn, compute_dtype=jnp.float16, autocast=autocast)
+def _jaxmp_variant(loss_fn, optimizer, initial_scale, growth_interval, *, autocast=False,
+                   compute_dtype=jnp.float16, matmul_dtype=None, float8_scaling="tensor",
+                   name=None) -> Variant:
+    """``mp_value_and_grad`` + ``optimizer_update``; a dynamic loss scale for float16, none for
+    bfloat16 (``matmul_dtype``/``float8_scaling``: float8 products, bfloat16 compute)."""
+    value_and_grad = jaxmp.mp_value_and_grad(loss_fn, compute_dtype=compute_dtype, autocast=autocast,
+                                             matmul_dtype=matmul_dtype, float8_scaling=float8_scaling)
 
     def init(params):
-        scaler = jaxmp.init_scaler(initial_scale=initial_scale, growth_interval=growth_interval)
+        if compute_dtype == jnp.float16:
+            scaler = jaxmp.init_scaler(initial_scale=initial_scale, growth_interval=growth_interval)
+        else:
+            scaler = jaxmp.noop_scaler()
         return {"params": params, "opt_state": optimizer.init(params), "scaler": scaler}
 
     def grads(state, images, labels):
@@ -135,10 +143,12 @@ def _jaxmp_variant(loss_fn, optimizer, initial_scale, growth_interval, *, autoca
         return {"params": params, "opt_state": opt_state, "scaler": scaler}, loss
 
     if autocast:
-        differentiated = jaxmp.autocast(loss_fn, compute_dtype=jnp.float16)
+        differentiated = jaxmp.autocast(loss_fn, compute_dtype=compute_dtype, matmul_dtype=matmul_dtype,
+                                        float8_scaling=float8_scaling)
     else:
-        differentiated = jaxmp.cast_function(loss_fn, jnp.float16, return_dtype=jnp.float32)
-    return Variant("autocast" if autocast else "jaxmp", init, grads, step, differentiated)
+        differentiated = jaxmp.cast_function(loss_fn, compute_dtype, return_dtype=jnp.float32)
+    name = name or ("autocast" if autocast else "jaxmp")
+    return Variant(name, init, grads, step, differentiated)
 
 
 def _autocast_no_recompute_variant(loss_fn, optimizer, initial_scale, growth_interval) -> Variant:
@@ -178,7 +188,10 @@ def _hand_written_variant(loss_fn, optimizer, initial_scale, growth_interval) ->
     """Float16 compute, float32 params, dynamic loss scaling: written out by hand."""
 
     def half_loss(params, images, labels):
-        params, images = jax.tree_util.tree_map(lambda x: x.astype(jnp.float16), (params, images))
+        # Floating leaves only (a language model's tokens stay integers).
+        params, images = jax.tree_util.tree_map(
+            lambda x: x.astype(jnp.float16) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+            (params, images))
         return loss_fn(params, images, labels).astype(jnp.float32)
 
     def scaled_grads(params, images, labels, scale):
