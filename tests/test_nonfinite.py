@@ -558,3 +558,69 @@ def test_collectives_need_axis_name_and_say_so():
             f, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P()), compute_dtype=jnp.float16)
         with pytest.raises(ValueError, match="axis_name="):
             find(w, x)
+
+
+# A causal mask: -inf in float16 by design, not an overflow (issue 33). --------------------
+
+MASK_FILLS = {
+    "-1e9": lambda scores: -1e9,
+    "finfo.min": lambda scores: jnp.finfo(scores.dtype).min,
+    "-inf": lambda scores: -jnp.inf,
+}
+
+
+def _attention_loss(params, x, fill=MASK_FILLS["-1e9"]):
+    # One causal self-attention layer, written as users write it.
+    q, k, v = x @ params["q"], x @ params["k"], x @ params["v"]
+    scores = q @ jnp.swapaxes(k, -1, -2) / jnp.sqrt(q.shape[-1])
+    causal = jnp.tril(jnp.ones(scores.shape[-2:], bool))
+    weights = jax.nn.softmax(jnp.where(causal, scores, fill(scores)), axis=-1)
+    out = (weights @ v) @ params["o"]
+    return jnp.mean(out ** 2)
+
+
+def _attention_params(o_scale=1.0, qk_scale=1.0):
+    keys = jax.random.split(jax.random.key(3), 5)
+    params = {n: jax.random.normal(key, (8, 8)) / 3 for n, key in zip("qkvo", keys)}
+    params["o"] = params["o"] * o_scale
+    params["q"], params["k"] = params["q"] * qk_scale, params["k"] * qk_scale
+    return params, jax.random.normal(keys[4], (2, 5, 8))
+
+
+@pytest.mark.parametrize("autocast", [True, False])
+@pytest.mark.parametrize("fill", sorted(MASK_FILLS))
+def test_a_causal_mask_is_not_an_overflow(fill, autocast):
+    params, x = _attention_params()
+    loss_fn = lambda p, x: _attention_loss(p, x, MASK_FILLS[fill])
+    reference = float(jax.jit(loss_fn)(params, x))  # float32
+    report = jaxmp.find_nonfinite(loss_fn, jnp.float16, autocast=autocast)(params, x)
+    np.testing.assert_allclose(report.loss, reference, rtol=1e-2)
+    np.testing.assert_allclose(report.loss_float32, reference, rtol=1e-5)
+    assert not report.findings, str(report)
+
+
+def test_an_overflow_after_a_causal_mask_is_found_at_its_line_and_the_mask_is_not():
+    params, x = _attention_params(o_scale=3e4)  # (weights @ v) @ o passes float16's 65504
+    reference = float(jax.jit(_attention_loss)(params, x))
+    assert np.isfinite(reference)
+    report = jaxmp.find_nonfinite(_attention_loss, jnp.float16)(params, x)
+    np.testing.assert_allclose(report.loss_float32, reference, rtol=1e-5)
+    assert not np.isfinite(report.loss)
+    first = _overflows(report)[0]
+    assert first.phase == "forward" and first.primitive == "dot_general"
+    assert first.where.startswith(_line_of(_attention_loss, "params[\"o\"]"))
+    assert first.float32_max > 65504
+    mask = _line_of(_attention_loss, "jnp.where(causal")
+    assert not [f for f in report.findings if f.where.startswith(mask)], str(report)
+
+
+def test_an_overflow_before_a_causal_mask_is_found_at_its_line():
+    params, x = _attention_params(qk_scale=300.0)  # q and k fit in float16, q @ k.T does not
+    reference = float(jax.jit(_attention_loss)(params, x))
+    assert np.isfinite(reference)
+    report = jaxmp.find_nonfinite(_attention_loss, jnp.float16)(params, x)
+    assert not np.isfinite(report.loss)
+    first = _overflows(report)[0]
+    assert first.phase == "forward" and first.primitive == "dot_general"
+    assert first.where.startswith(_line_of(_attention_loss, "scores = q @"))
+    assert all(f.where.startswith(HERE) for f in report.findings), str(report)

@@ -21,7 +21,8 @@ What is here:
   ``jax.lax.pvary(x, axes)`` before it), :func:`varying_axes`
   (``jax.typeof(x).manual_axis_type.varying``, formerly ``.vma``).
 - Jaxprs and binding: :func:`is_literal`, :func:`is_var`, :func:`closed`,
-  :func:`eval_jaxpr`, :func:`at_source_of`, :func:`bind`, :func:`bind_with`.
+  :func:`eval_jaxpr`, :func:`at_source_of`, :func:`inside_call`, :func:`bind`,
+  :func:`bind_with`.
 - Equation parameters, one typed accessor per primitive family:
   :func:`scan`, :func:`while_loop`, :func:`cond_branches`,
   :func:`checkpoint`, :func:`called_jaxpr`, :func:`shard_map`,
@@ -50,6 +51,7 @@ What is here:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import gc
 import importlib
 import os
@@ -215,10 +217,46 @@ def at_source_of(eqn):
     current trace followed by the equation's own (its ``jax.named_scope``s,
     Flax and Haiku module paths), so that the compiled program's ``op_name``
     metadata and a profile show the user's layers.
+
+    An equation with no frame in the user's code of its own (one of the body
+    of a ``jnp.where`` or another cached ``jit`` of JAX's) carries instead the
+    source of the call it is inside (:func:`inside_call`), once that call is
+    inlined: the user's line of the ``jnp.where``.
     """
     stack = _source_info.current_name_stack() + eqn.source_info.name_stack
-    with _source_info.user_context(eqn.source_info.traceback, name_stack=stack):
+    traceback = eqn.source_info.traceback
+    outer = _ENCLOSING_SOURCE.get()
+    if outer is not None and traceback is not outer and not user_frames(traceback):
+        traceback = outer
+    with _source_info.user_context(traceback, name_stack=stack):
         yield
+
+
+# The traceback of the innermost call (jit, checkpoint...) being evaluated that has a frame in
+# the user's code: the source of the equations inside it that have none of their own.
+_ENCLOSING_SOURCE: contextvars.ContextVar = contextvars.ContextVar(
+    "jaxmp_enclosing_source", default=None)
+
+
+@contextlib.contextmanager
+def inside_call(eqn):
+    """Within this block, equations evaluated inside the higher-order ``eqn`` whose own
+    traceback has no frame in the user's code are bound at ``eqn``'s source
+    (:func:`at_source_of`).
+
+    JAX traces the body of a cached ``jit`` (``jnp.where``, ``jnp.var``...)
+    once, and its equations keep no frame of the code that called it; an
+    interpreter that inlines the call would otherwise lose the user's line.
+    """
+    traceback = eqn.source_info.traceback
+    if traceback is None or not user_frames(traceback):
+        yield  # the enclosing call's source, if any, still applies
+        return
+    token = _ENCLOSING_SOURCE.set(traceback)
+    try:
+        yield
+    finally:
+        _ENCLOSING_SOURCE.reset(token)
 
 
 def bind(eqn, invals: Any, params: Mapping[str, Any] | None = None) -> list:

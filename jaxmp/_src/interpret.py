@@ -134,7 +134,8 @@ class Interpreter:
         handler = self.handlers.get(eqn.primitive.name)
         try:
             if handler is not None:
-                return handler(self, eqn, invals)
+                with compat.inside_call(eqn):  # its body's equations keep the user's line
+                    return handler(self, eqn, invals)
             if compat.is_higher_order(eqn):
                 _warn_unknown(eqn, "jaxmp has no rule for its body")
             return self.first_order(eqn, invals)

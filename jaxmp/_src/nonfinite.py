@@ -8,7 +8,11 @@ time on the shared interpreter (``interpret.py``), and beside every value
 keeps a float32 *shadow*: the same equation evaluated with every
 half-precision operand held in float32. An equation whose inputs are finite
 and whose result is not, while its shadow is finite, is where half precision
-overflowed.
+overflowed; it is reported only if its non-finite values reach the loss or a
+gradient (they travel from value to value wherever the half-precision value
+is inf or NaN and its shadow is not, and stop where the value is finite again:
+a mask's ``-1e9`` that float16 rounds to ``-inf``, selected away or turned
+into 0 by a softmax's ``exp``, is not an overflow).
 
 The forward pass is the jaxpr of the scaled loss; the backward pass is the
 jaxpr of its ``value_and_grad`` less the operations the forward pass already
@@ -366,10 +370,20 @@ class _Shadow(interpret.Interpreter):
         self.producer: dict[Any, Any] = {}
         self.consumers: dict[Any, list] = {}
         self.seen_jaxprs: dict[int, Any] = {}
+        # Where non-finite values go (see _carry): the sites each value's non-finite elements
+        # come from, by the value's half-precision array (kept alive: ids stay unique); the
+        # sites whose non-finite values reach an end of the program; the variables that leave
+        # a jaxpr, and those of the program evaluated (its ends).
+        self.carried: dict[int, tuple[Any, frozenset]] = {}
+        self.reached: set[int] = set()
+        self.returned: set[Any] = set()
+        self.ends: set[Any] = set()
+        self.gathering: list[set] = []  # per higher-order equation being evaluated
 
     def run(self, closed, flat_args: Sequence[Any], paths: Sequence[str]) -> list:
         """Evaluates ``closed`` on ``flat_args`` (arrays) paired with their float32 shadows."""
         self.input_paths.update(zip(closed.jaxpr.invars, paths))
+        self.ends.update(v for v in closed.jaxpr.outvars if compat.is_var(v))
         return self.eval_closed(closed, [(x, _widen(x)) for x in flat_args])
 
     def eval_jaxpr(self, jaxpr, consts, args):
@@ -381,6 +395,7 @@ class _Shadow(interpret.Interpreter):
                 for v in eqn.invars:
                     if compat.is_var(v):
                         self.consumers.setdefault(v, []).append(eqn)
+            self.returned.update(v for v in jaxpr.outvars if compat.is_var(v))
         return super().eval_jaxpr(jaxpr, consts, args)
 
     # Values are pairs.
@@ -404,13 +419,25 @@ class _Shadow(interpret.Interpreter):
                 if compat.is_var(outer_v) and outer_v in self.input_paths:
                     self.input_paths[inner_v] = self.input_paths[outer_v]
         transpose = compat.is_backward(compat.name_stack(eqn))
+        higher_order = eqn.primitive.name in self.handlers
         self.transposing += transpose
         self.enclosing.append(eqn)
+        if higher_order:
+            self.gathering.append(set())
         try:
-            return super().eval_eqn(eqn, invals)
+            outs = super().eval_eqn(eqn, invals)
         finally:
             self.transposing -= transpose
             self.enclosing.pop()
+            inside = self.gathering.pop() if higher_order else set()
+        if higher_order:
+            # Its results are new arrays (a loop's stacked outputs, a shard_map's merged
+            # blocks): they carry whatever non-finite values went in or were made inside.
+            sites = self._carried_by([h for h, _ in invals]) | inside
+            for v, out in zip(eqn.outvars, outs):
+                if sites and out is not None and self._diverges(*out):
+                    self._carry(out[0], sites, v)
+        return outs
 
     def first_order(self, eqn, invals):
         halves = [h for h, _ in invals]
@@ -516,40 +543,96 @@ class _Shadow(interpret.Interpreter):
         float_in = [(h, s) for h, s in invals if casting.is_float_array(h) and h.size]
         in_h = [h for h, _ in float_in]
         in_s = [s for _, s in float_in]
+        came_in = None
         for i, (h, s) in enumerate(zip(outs, shadow_outs)):
             if not casting.is_float_array(h) or h.size == 0:
                 continue
             site = self._site(eqn, i, h)
             if any(compat.is_tracer(x) for x in (*in_h, *in_s, h, s)):
                 # Inside a loop too long to run one iteration at a time: check on the
-                # host at run time.
-                jax.debug.callback(functools.partial(self._host_check, site), in_h, in_s, h, s)
-            else:
-                self._host_check(site, in_h, in_s, h, s)
+                # host at run time, where values are not followed (what overflows there is
+                # reported whether or not it reaches the loss).
+                jax.debug.callback(functools.partial(self._host_check, site, True),
+                                   in_h, in_s, h, s)
+                continue
+            h_host, s_host = jax.device_get((h, s))
+            overflow = self._host_check(site, False, in_h, in_s, h_host, s_host)
+            if self._diverges(h_host, s_host):
+                if came_in is None:
+                    came_in = self._carried_by(in_h)
+                self._carry(h, came_in | {site} if overflow else came_in, eqn.outvars[i])
 
-    def _host_check(self, site, in_h, in_s, h, s):
+    def _host_check(self, site, unfollowed, in_h, in_s, h, s) -> bool:
+        """Records what went wrong in one result; whether it overflowed where float32 did not."""
         stats = _stats(in_h, in_s, *jax.device_get((h, s)))  # inputs: only if needed
-        if stats[0]:
-            self._record(site, *stats[1:])
+        if not stats[0]:
+            return False
+        overflow = self._record(site, *stats[1:]) == "overflow"
+        if overflow and unfollowed:
+            with self.lock:
+                self.reached.add(site)
+        return overflow
+
+    # --- Where non-finite values go ------------------------------------------------------
+    #
+    # An overflow is reported only where its non-finite values reach an end of the program
+    # (the loss, a gradient): each value whose half-precision array is inf or NaN where its
+    # float32 shadow is finite carries the sites its non-finite elements came from, from the
+    # operands of the operation that made it; a value that is finite again wherever the
+    # shadow is (exp(-inf) = 0, a select that drops them) carries nothing on.
+
+    @staticmethod
+    def _diverges(h, s) -> bool:
+        """Whether the half-precision ``h`` is inf or NaN somewhere its shadow ``s`` is finite."""
+        if not casting.is_float_array(h) or h.size == 0 or compat.is_tracer(h) or (
+                compat.is_tracer(s)):
+            return False
+        h = _f32(h)
+        bad = ~np.isfinite(h)
+        return bool(bad.any()) and bool((bad & np.isfinite(_f32(s))).any())
+
+    def _carried_by(self, halves) -> set:
+        """The sites whose non-finite values any of ``halves`` (arrays) carries."""
+        sites: set = set()
+        for h in halves:
+            entry = self.carried.get(id(h))
+            if entry is not None and entry[0] is h:
+                sites |= entry[1]
+        return sites
+
+    def _carry(self, h, sites, var) -> None:
+        """``h`` (the value of ``var``) carries the non-finite values of ``sites``; where
+        ``var`` is an end of the program (its result, or a value nothing uses: a gradient),
+        they reach it."""
+        if not sites:
+            return
+        sites = frozenset(sites)
+        self.carried[id(h)] = (h, sites)
+        for inside in self.gathering:
+            inside |= sites
+        if var in self.ends or (var not in self.consumers and var not in self.returned):
+            self.reached |= sites
 
     def _record(self, site, created, shadow_finite, nonfinite, underflow, half_max, f32_max,
-                f32_min, in_max):
+                f32_min, in_max) -> str:
+        """Records one result that went wrong (the first time per site and kind); its kind,
+        or ``""`` when it is not a finding."""
         created, shadow_finite = bool(created), bool(shadow_finite)
         if created:
             if shadow_finite and f32_max >= _SENTINEL and not np.isnan(half_max):
-                return  # e.g. jnp.where(mask, logits, -1e30): -inf in half precision, by design
+                return ""  # e.g. jnp.where(mask, logits, -1e30): -inf in half precision, by design
             kind, count = ("overflow" if shadow_finite else "float32 too"), int(nonfinite)
         else:
             kind, count = "underflow", int(underflow)
             if count < _UNDERFLOW_FRACTION * self.sites[site].size:
-                return  # a few tiny values flushed to zero: rounding, not a problem
+                return ""  # a few tiny values flushed to zero: rounding, not a problem
         key = (site, kind)
         with self.lock:
-            if key in self.records:  # the first time (the first scan iteration...) is kept
-                return
-            self.records[key] = dict(count=count, half_max=float(half_max),
-                                     float32_max=float(f32_max), float32_min=float(f32_min),
-                                     input_max=float(in_max))
+            if key not in self.records:  # the first time (the first scan iteration...) is kept
+                self.records[key] = dict(count=count, half_max=float(half_max),
+                                         float32_max=float(f32_max), float32_min=float(f32_min),
+                                         input_max=float(in_max))
+        return kind
 
 
 def _shard_map(shadow: _Shadow, eqn, invals: list) -> list:
@@ -715,8 +798,8 @@ def _collect(shadow: _Shadow, phase_of: Callable, scale: float, half: np.dtype,
     for (site_id, kind), stats in sorted(shadow.records.items()):
         site = shadow.sites[site_id]
         key = (site.primitive, site.where, site.dtype, site.size, kind)
-        if key in skip:
-            continue
+        if key in skip or (kind == "overflow" and site_id not in shadow.reached):
+            continue  # its non-finite values never reach the loss or a gradient
         phase = phase_of(site)
         findings.append(Finding(
             phase, kind, site.primitive, site.where, site.called_from, site.dtype,
@@ -768,6 +851,14 @@ def find_nonfinite(
     the training step is untouched. Control flow (``cond``, ``while``) follows
     the half-precision values. Float32 values beyond 1e30 are taken for
     sentinels (a mask's ``-1e30``) whose overflow to ``-inf`` is intended.
+
+    An overflow is reported only where it matters: an operation whose
+    half-precision inf or NaN, carried from value to value for as long as the
+    float32 shadow stays finite there, reaches the loss or a gradient. A
+    causal mask written ``jnp.where(causal, scores, -1e9)`` becomes ``-inf``
+    in float16 where float32 keeps ``-1e9``, and the softmax makes it 0 in
+    both: no finding. Inside a loop too long to run one iteration at a time
+    (compiled whole), values are not followed and every overflow is reported.
 
     A model with collectives (a ``BatchNorm`` that averages over
     ``axis_name``, as in data-parallel training) runs only where its axis is
