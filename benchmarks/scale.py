@@ -115,17 +115,9 @@ def _hand_static_variant(loss_fn, optimizer, initial_scale, growth_interval) -> 
     return vit.Variant("hand", init, lambda *a: grads(*a)[1], step, half_loss)
 
 
-def _installed(module: str) -> bool:
-    try:
-        __import__(module)
-    except ImportError:
-        return False
-    return True
-
-
 def available_variants() -> list[str]:
     """The variants that can run here (``jmp`` only when installed)."""
-    return [v for v in VARIANTS if v != "jmp" or _installed("jmp")]
+    return [v for v in VARIANTS if v != "jmp" or vit._installed("jmp")]
 
 
 def make_variant(name: str, config: models.GPTConfig, scan: bool) -> vit.Variant:
