@@ -580,7 +580,9 @@ def _scan_remat(variant: Variant) -> Setup:
 
 
 def _mlp_loss(params, x, y):
-    h = jnp.tanh(x @ params["w1"] + params["b1"])  # first product: multisteps
+    # relu, not tanh: the injected overflow's inf must reach the loss for find_nonfinite to
+    # report it (tanh(inf) = 1 is float32's tanh of the product, and the gradient is 0 in both).
+    h = jax.nn.relu(x @ params["w1"] + params["b1"])  # first product: multisteps
     return _cross_entropy(h @ params["w2"] + params["b2"], y)
 
 
