@@ -624,3 +624,25 @@ def test_an_overflow_before_a_causal_mask_is_found_at_its_line():
     assert first.phase == "forward" and first.primitive == "dot_general"
     assert first.where.startswith(_line_of(_attention_loss, "scores = q @"))
     assert all(f.where.startswith(HERE) for f in report.findings), str(report)
+
+
+def _normalised(w, x):
+    h = x @ w
+    centred = h - jnp.mean(h, -1, keepdims=True)
+    variance = jnp.mean(jnp.square(centred), -1, keepdims=True)  # beyond float16's 65504
+    weights = jnp.arange(16.0, dtype=h.dtype)
+    return jnp.mean(jnp.tanh(centred / jnp.sqrt(variance + 1e-5)) * weights)
+
+
+def test_an_overflow_made_finite_but_wrong_is_still_found():
+    """A variance that overflows makes the normalised values 0: finite, but not float32's.
+    Its overflow reaches the loss through them and is reported at its line."""
+    w = jnp.linspace(-1.0, 1.0, 8 * 16).reshape(8, 16)
+    x = jnp.full((4, 8), 2000.0)  # centred values up to ~1900: squares beyond 65504
+    report = jaxmp.find_nonfinite(_normalised, compute_dtype=jnp.float16, autocast=False,
+                                  argnums=(0, 1))(w, x)
+    assert np.isfinite(report.loss) and np.isfinite(report.loss_float32)
+    assert abs(report.loss - report.loss_float32) > 0.1 * abs(report.loss_float32), str(report)
+    overflows = [f for f in report.findings if f.kind == "overflow"]
+    assert overflows and overflows[0].phase == "forward", str(report)
+    assert "_normalised" in overflows[0].where and "test_nonfinite.py" in overflows[0].where

@@ -10,9 +10,11 @@ half-precision operand held in float32. An equation whose inputs are finite
 and whose result is not, while its shadow is finite, is where half precision
 overflowed; it is reported only if its non-finite values reach the loss or a
 gradient (they travel from value to value wherever the half-precision value
-is inf or NaN and its shadow is not, and stop where the value is finite again:
-a mask's ``-1e9`` that float16 rounds to ``-inf``, selected away or turned
-into 0 by a softmax's ``exp``, is not an overflow).
+is inf or NaN and its shadow is not, or is finite again but far from its
+shadow, and stop where the value agrees with its shadow again: a mask's
+``-1e9`` that float16 rounds to ``-inf``, selected away or turned into 0 by a
+softmax's ``exp``, is not an overflow; a variance that overflows, making the
+normalised values 0, is).
 
 The forward pass is the jaxpr of the scaled loss; the backward pass is the
 jaxpr of its ``value_and_grad`` less the operations the forward pass already
@@ -435,7 +437,7 @@ class _Shadow(interpret.Interpreter):
             # blocks): they carry whatever non-finite values went in or were made inside.
             sites = self._carried_by([h for h, _ in invals]) | inside
             for v, out in zip(eqn.outvars, outs):
-                if sites and out is not None and self._diverges(*out):
+                if sites and out is not None and self._diverges(*out, carrying=True):
                     self._carry(out[0], sites, v)
         return outs
 
@@ -557,9 +559,9 @@ class _Shadow(interpret.Interpreter):
                 continue
             h_host, s_host = jax.device_get((h, s))
             overflow = self._host_check(site, False, in_h, in_s, h_host, s_host)
-            if self._diverges(h_host, s_host):
-                if came_in is None:
-                    came_in = self._carried_by(in_h)
+            if came_in is None:
+                came_in = self._carried_by(in_h)
+            if overflow or self._diverges(h_host, s_host, carrying=bool(came_in)):
                 self._carry(h, came_in | {site} if overflow else came_in, eqn.outvars[i])
 
     def _host_check(self, site, unfollowed, in_h, in_s, h, s) -> bool:
@@ -577,19 +579,30 @@ class _Shadow(interpret.Interpreter):
     #
     # An overflow is reported only where its non-finite values reach an end of the program
     # (the loss, a gradient): each value whose half-precision array is inf or NaN where its
-    # float32 shadow is finite carries the sites its non-finite elements came from, from the
-    # operands of the operation that made it; a value that is finite again wherever the
-    # shadow is (exp(-inf) = 0, a select that drops them) carries nothing on.
+    # float32 shadow is finite, or (made from such values) finite but far from the shadow,
+    # carries the sites its non-finite elements came from, from the operands of the operation
+    # that made it; a value that agrees with its shadow again (exp(-inf) = 0, a select that
+    # drops them, tanh(inf) = 1) carries nothing on.
 
     @staticmethod
-    def _diverges(h, s) -> bool:
-        """Whether the half-precision ``h`` is inf or NaN somewhere its shadow ``s`` is finite."""
+    def _diverges(h, s, carrying: bool = False) -> bool:
+        """Whether the half-precision ``h`` is inf or NaN somewhere its shadow ``s`` is finite,
+        or, for a value made from values that carry non-finite elements (``carrying``), differs
+        from its shadow by more than a tenth of the shadow's largest magnitude: a variance that
+        overflowed makes ``x / sqrt(var)`` finite but 0 (carried on), where ``exp(-inf)`` is
+        the 0 float32 has too and ``tanh(inf)`` its 1 (carried no further)."""
         if not casting.is_float_array(h) or h.size == 0 or compat.is_tracer(h) or (
                 compat.is_tracer(s)):
             return False
-        h = _f32(h)
-        bad = ~np.isfinite(h)
-        return bool(bad.any()) and bool((bad & np.isfinite(_f32(s))).any())
+        h, s = _f32(h), _f32(s)
+        finite = np.isfinite(s)
+        if bool((~np.isfinite(h) & finite).any()):
+            return True
+        if not carrying or not finite.any():
+            return False
+        both = finite & np.isfinite(h)
+        error = float(np.abs(h[both] - s[both]).max()) if both.any() else 0.0
+        return error > 0.1 * float(np.abs(s[finite]).max())
 
     def _carried_by(self, halves) -> set:
         """The sites whose non-finite values any of ``halves`` (arrays) carries."""
@@ -854,7 +867,9 @@ def find_nonfinite(
 
     An overflow is reported only where it matters: an operation whose
     half-precision inf or NaN, carried from value to value for as long as the
-    float32 shadow stays finite there, reaches the loss or a gradient. A
+    value disagrees with its float32 shadow (inf or NaN where the shadow is
+    finite, or off by more than a tenth of its magnitude), reaches the loss or
+    a gradient. A
     causal mask written ``jnp.where(causal, scores, -1e9)`` becomes ``-inf``
     in float16 where float32 keeps ``-1e9``, and the softmax makes it 0 in
     both: no finding. Inside a loop too long to run one iteration at a time
