@@ -528,7 +528,10 @@ def _on(kind, cores, *shapes):
     mesh_lib = pytest.importorskip("jax._src.mesh")
     if not hasattr(mesh_lib, "AbstractDevice"):
         pytest.skip("this JAX's abstract meshes carry no device")
-    device = mesh_lib.AbstractDevice(device_kind=kind, num_cores=cores, platform="gpu")
+    try:
+        device = mesh_lib.AbstractDevice(device_kind=kind, num_cores=cores, platform="gpu")
+    except TypeError:  # jax < 0.9: an abstract device has a kind, no platform (read from it)
+        device = mesh_lib.AbstractDevice(device_kind=kind, num_cores=cores)
     mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=device)
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return [jax.ShapeDtypeStruct(s, F32, sharding=sharding) for s in shapes]
@@ -548,7 +551,9 @@ def test_mxfp8_traced_for_a_hopper_gpu_runs_the_per_tensor_recipe_and_says_so():
     said = [str(c.message) for c in caught if c.category is jaxmp.Float8ShortfallWarning]
     assert len(said) == 1 and "NVIDIA H100 80GB HBM3 (Hopper, sm_90)" in said[0], said
     assert "'tensor' recipe" in said[0]
-    assert program == str(jax.make_jaxpr(grad("tensor"))(*h100))
+    # The same program (jax 0.8 prints the addresses of functions in parameters: not compared).
+    address = re.compile(r"0x[0-9a-f]+")
+    assert address.sub("", program) == address.sub("", str(jax.make_jaxpr(grad("tensor"))(*h100)))
     assert "platform_index" not in program
     b200 = _on("NVIDIA B200", 148, (64, 32), (32, 64))
     with warnings.catch_warnings():

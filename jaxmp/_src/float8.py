@@ -784,6 +784,25 @@ class Target(NamedTuple):
     capability: str | None
 
 
+def _abstract_platform(device: Any) -> str | None:
+    """The platform of an abstract mesh's device, or ``None`` when it cannot be told.
+
+    JAX's abstract devices name their platform from jax 0.9 on; before, only
+    their kind, from which the platform of a CPU, an NVIDIA GPU or a TPU is read.
+    """
+    platform = getattr(device, "platform", None)
+    if platform:
+        return platform
+    kind = str(getattr(device, "device_kind", "")).lower()
+    if kind == "cpu":
+        return "cpu"
+    if "nvidia" in kind:
+        return "gpu"
+    if "tpu" in kind:
+        return "tpu"
+    return None
+
+
 def compile_target(avals: Iterable[Any]) -> Target:
     """Where a product with operands of these abstract values will run.
 
@@ -797,8 +816,9 @@ def compile_target(avals: Iterable[Any]) -> Target:
     for aval in avals:
         mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
         device = getattr(mesh, "abstract_device", None)
-        if device is not None:
-            return Target(device.platform, device.device_kind, None)
+        platform = _abstract_platform(device) if device is not None else None
+        if platform is not None:
+            return Target(platform, device.device_kind, None)
     device = jax.devices()[0]
     return Target(device.platform, device.device_kind,
                   getattr(device, "compute_capability", None))
