@@ -207,17 +207,22 @@ def measure(name: str, config: models.GPTConfig, layout: str, steps: int = 0) ->
             params = models.stack_blocks(params)
         tokens = jax.random.randint(jax.random.key(1), batch[0].shape, 0, config.vocab, jnp.int32)
         labels = jnp.roll(tokens, -1, axis=1)
-        live = variant.init(params)
-        times = []
-        for i in range(steps + 1):
-            start = time.perf_counter()
-            live, loss = compiled(live, tokens, labels)
-            jax.block_until_ready((live, loss))
-            if i:
-                times.append(time.perf_counter() - start)
-        row["step_s"] = statistics.median(times)
+        row["step_s"], loss = _median_step(compiled, variant.init(params), tokens, labels, steps)
         row["loss"] = float(loss)
     return row
+
+
+def _median_step(compiled, live, tokens, labels, steps: int) -> tuple[float, Any]:
+    """The median wall time of ``steps`` calls of ``compiled`` after one warm-up call, and the
+    last loss (the state is donated from call to call)."""
+    times = []
+    for i in range(steps + 1):
+        start = time.perf_counter()
+        live, loss = compiled(live, tokens, labels)
+        jax.block_until_ready((live, loss))
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times), loss
 
 
 def measure_nonfinite(config: models.GPTConfig, layout: str, steps: int = 3) -> dict[str, Any]:
@@ -237,21 +242,14 @@ def measure_nonfinite(config: models.GPTConfig, layout: str, steps: int = 3) -> 
     variant = make_variant("autocast", config, scan)
     compiled = jax.jit(variant.step, donate_argnums=0).lower(
         jax.eval_shape(variant.init, params), tokens, labels).compile()
-    live = variant.init(jax.tree_util.tree_map(jnp.copy, params))
-    times = []
-    for i in range(steps + 1):
-        start = time.perf_counter()
-        live, loss = compiled(live, tokens, labels)
-        jax.block_until_ready((live, loss))
-        if i:
-            times.append(time.perf_counter() - start)
-    del live, compiled
+    step, _ = _median_step(compiled, variant.init(jax.tree_util.tree_map(jnp.copy, params)),
+                           tokens, labels, steps)
+    del compiled
     loss_fn = functools.partial(models.decoder_loss, config=config, scan=scan)
     find = jaxmp.find_nonfinite(loss_fn, compute_dtype=jnp.float16)
     start, cpu = time.perf_counter(), time.process_time()
     report = find(params, tokens, labels)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    step = statistics.median(times)
     return {"variant": "find_nonfinite", "depth": config.depth, "layout": layout,
             "step_s": step, "diagnosis_s": seconds, "diagnosis_cpu_s": cpu,
             "steps": seconds / step, "findings": len(report.findings),
