@@ -823,8 +823,12 @@ def _eval_with_regions(closed, args, policy) -> list:
     for i, eqn in enumerate(jaxpr.eqns):
         region = region_of.get(i)
         if region is None:
-            for v, x in zip(eqn.outvars, interpret.bind(eqn, [read(v) for v in eqn.invars])):
-                env[v] = x
+            invals = [read(v) for v in eqn.invars]
+            if eqn.primitive.name == "scan":
+                outs = _scan_with_regions(eqn, invals, policy)
+            else:
+                outs = interpret.bind(eqn, invals)
+            env.update(zip(eqn.outvars, outs))
             continue
         if i != region[-1]:
             continue
@@ -857,6 +861,35 @@ def _eval_with_regions(closed, args, policy) -> list:
             raise TypeError(_FORWARD_MODE_MESSAGE) from e
         env.update(zip(outputs, outs))
     return [read(v) for v in jaxpr.outvars]
+
+
+def _scan_with_regions(eqn, invals: list, policy) -> list:
+    """A ``scan`` equation bound with its body's float32 regions recomputed (``_eval_with_regions``).
+
+    Without it, the reverse pass of a scanned model keeps each iteration's
+    float32 intermediates (normalisation statistics, softmax exponentials):
+    stacked over the iterations, more memory than the hand-written
+    half-precision step, where the unrolled model needs less. The body's
+    closed-over values are traced as arguments, so the new body closes over
+    none; should it still (a JAX that hoists a constant), the scan is bound
+    as it was.
+    """
+    given = eqn.params["jaxpr"]
+    body = compat.closed(given)
+    n = len(body.consts)
+
+    def new_body(*xs):
+        return _eval_with_regions(compat.closed_with(body.jaxpr, xs[:n]), xs[n:], policy)
+
+    avals = [*(jax.typeof(c) for c in body.consts), *body.in_avals]
+    program = jax.make_jaxpr(new_body)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+    if program.consts:
+        return interpret.bind(eqn, invals)
+    params = {**eqn.params, "jaxpr": compat.like_given(program, given)}
+    if n:  # the body's constants become the scan's leading constants
+        params["num_consts"] = eqn.params["num_consts"] + n
+        params["linear"] = (False,) * n + tuple(eqn.params["linear"])
+    return interpret.bind(eqn, [*body.consts, *invals], params)
 
 
 _FORWARD_MODE_MESSAGE = (

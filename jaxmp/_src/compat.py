@@ -199,6 +199,17 @@ def closed(jaxpr: Any) -> Any:
     return _jex_core.ClosedJaxpr(jaxpr, ())
 
 
+def like_given(program: Any, given: Any) -> Any:
+    """The closed jaxpr ``program`` (no constants) in the form of ``given``, a jaxpr parameter
+    of an equation: closed where it is closed, open where it is open (jax 0.11 on)."""
+    return program if isinstance(given, _jex_core.ClosedJaxpr) else program.jaxpr
+
+
+def closed_with(jaxpr: Any, consts: Any) -> Any:
+    """The open ``jaxpr`` closed over ``consts``."""
+    return _jex_core.ClosedJaxpr(jaxpr, list(consts))
+
+
 def open_jaxpr(jaxpr: Any) -> Any:
     """The open ``Jaxpr`` of ``jaxpr`` (closed or not): its ``eqns``, ``invars``, ``outvars``."""
     return getattr(jaxpr, "jaxpr", jaxpr)
