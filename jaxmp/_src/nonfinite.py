@@ -279,10 +279,28 @@ _BOTH: dict[Any, Callable] = {}
 _BOTH_LIMIT = 4096
 
 
+def _suspicious(h, s) -> Any:
+    """Traced: whether the result ``h`` (shadow ``s``) needs the host's look (``_stats``): a
+    non-finite element, or one flushed to zero in half precision where the shadow is not."""
+    bad = jnp.any(~jnp.isfinite(h))
+    if casting.is_half_dtype(h.dtype):
+        s = s.astype(jnp.float32)
+        tiny = float(jnp.finfo(h.dtype).smallest_subnormal)
+        bad = bad | jnp.any((h == 0) & (s != 0) & (jnp.abs(s) < tiny))
+    return bad
+
+
+# One small program per result type (rather than in each equation's program: XLA:CPU takes
+# twice as long to compile those with it, and there are far fewer result types).
+_SUSPICIOUS = jax.jit(_suspicious)
+
+
 def _both_compiled(eqn, halves: list, shadows: list):
-    """``(outs, shadow_outs)`` of a first-order ``eqn`` on concrete operands, from one
-    compiled program per signature; ``None`` where that does not apply (traced operands,
-    parameters that cannot be a cache key)."""
+    """``(outs, shadow_outs, suspicious)`` of a first-order ``eqn`` on concrete operands, from
+    one compiled program per signature; ``None`` where that does not apply (traced operands,
+    parameters that cannot be a cache key). ``suspicious`` says, per result, whether it may
+    need the host's look (``_suspicious``; False for a result that is not a float array):
+    most results do not, and are then not copied to the host at all."""
     operands = (*halves, *shadows)
     if eqn.effects or any(not isinstance(x, jax.Array) or compat.is_tracer(x)
                           for x in operands):
@@ -316,7 +334,11 @@ def _both_compiled(eqn, halves: list, shadows: list):
     rest = iter(rest)
     # Where nothing half-precision went in, the shadow is the value itself (the same object,
     # as eager evaluation gives it: later operations see that and skip their shadow).
-    return list(outs), [o if i else next(rest) for o, i in zip(outs, identical)]
+    outs = list(outs)
+    shadow_outs = [o if i else next(rest) for o, i in zip(outs, identical)]
+    suspicious = [bool(_SUSPICIOUS(o, s)) if casting.is_float_array(o) and o.size else False
+                  for o, s in zip(outs, shadow_outs)]
+    return outs, shadow_outs, suspicious
 
 
 def _as_written(eqn, halves, shadows, outs) -> list:
@@ -445,12 +467,13 @@ class _Shadow(interpret.Interpreter):
         halves = [h for h, _ in invals]
         shadows = [s for _, s in invals]
         both = _both_compiled(eqn, halves, shadows)
+        suspicious = None
         if both is None:
             outs = interpret.bind(eqn, halves)
             shadow_outs = _shadow_of(eqn, halves, shadows, outs)
         else:
-            outs, shadow_outs = both
-        self._check(eqn, invals, outs, shadow_outs)
+            outs, shadow_outs, suspicious = both
+        self._check(eqn, invals, outs, shadow_outs, suspicious)
         return list(zip(outs, shadow_outs))
 
     def _site(self, eqn, index: int, out) -> int:
@@ -541,7 +564,9 @@ class _Shadow(interpret.Interpreter):
                     return e
         return None
 
-    def _check(self, eqn, invals, outs, shadow_outs):
+    def _check(self, eqn, invals, outs, shadow_outs, suspicious=None):
+        """Checks each float result of ``eqn``; ``suspicious`` (per result, from the device)
+        skips the host's look at results with nothing wrong that carry nothing."""
         float_in = [(h, s) for h, s in invals if casting.is_float_array(h) and h.size]
         in_h = [h for h, _ in float_in]
         in_s = [s for _, s in float_in]
@@ -550,6 +575,11 @@ class _Shadow(interpret.Interpreter):
             if not casting.is_float_array(h) or h.size == 0:
                 continue
             site = self._site(eqn, i, h)
+            if suspicious is not None and not suspicious[i]:
+                if came_in is None:
+                    came_in = self._carried_by(in_h)
+                if not came_in:
+                    continue
             if any(compat.is_tracer(x) for x in (*in_h, *in_s, h, s)):
                 # Inside a loop too long to run one iteration at a time: check on the
                 # host at run time, where values are not followed (what overflows there is
