@@ -596,8 +596,10 @@ def test_recomputation_waits_for_the_cotangent():
     # values alive across the backward pass. autocast ties each region's
     # recomputation to its cotangent: the float32 copy of the layer norm's
     # float16 input is made in the forward pass and again, from the
-    # cotangent, in the backward pass: as many conversions depend on the
-    # cotangent as on forward values alone (untied, none would).
+    # cotangent, in the backward pass: each conversion recomputed there
+    # depends on the cotangent, as does the transpose of a narrowing, so at
+    # least as many conversions depend on it as on forward values alone
+    # (untied: one, against four).
     w1, x = _activations(1.0, shape=(16, 64), out=128)
     w2 = _activations(1.0, shape=(16, 128), out=32, seed=1)[0]
     f = jaxmp.autocast(_block, F16)
@@ -607,7 +609,7 @@ def test_recomputation_waits_for_the_cotangent():
 
     jaxpr = jax.make_jaxpr(backward)(w1, w2, x, jnp.float32(2.0)).jaxpr
     counts = _conversions_by_dependence(jaxpr, (16, 128), {jaxpr.invars[-1]})
-    assert counts[True] == counts[False] >= 1, counts
+    assert counts[True] >= counts[False] >= 1, counts
     # The tie adds an exact zero: the gradients are those of the untied program.
     untied = jaxmp.autocast(_block, F16, recompute_float32=False)
     g = backward(w1, w2, x, jnp.float32(2.0))

@@ -630,6 +630,7 @@ def _recompute_policy(low: frozenset) -> Callable:
         dtypes += [getattr(a, "dtype", None) for a in avals]
         return not any(casting.is_float_dtype(d) for d in dtypes)
 
+    policy.saved = always | _COMMUNICATING  # the primitives it saves whatever their dtypes
     return policy
 
 
@@ -777,25 +778,53 @@ def _recomputed_late(fn: Callable, policy: Callable) -> Callable:
         return jax.vjp(remat, *xs)
 
     def bwd(vjp, cts):
-        floats = [c for c in cts if casting.is_float_dtype(c.dtype) and c.size]
-        if not floats:
-            return tuple(vjp(cts))
-        largest = max(c.size for c in floats)
-        by_shape = {c.shape: c for c in reversed(floats)}
-
-        def tie(x):
-            if not casting.is_float_dtype(getattr(x, "dtype", None)) or x.size < largest:
-                return x
-            # Elementwise when shapes agree: fewer instructions for XLA to copy
-            # into every fusion that reads ``x`` than a broadcast scalar.
-            c = by_shape.get(x.shape, floats[0].ravel()[0])
-            return x + (c * 0).astype(x.dtype)
-
         leaves, tree = jax.tree_util.tree_flatten(vjp)
-        return tuple(jax.tree_util.tree_unflatten(tree, [tie(x) for x in leaves])(cts))
+        return tuple(jax.tree_util.tree_unflatten(tree, _tied(leaves, cts))(cts))
 
     run.defvjp(fwd, bwd)
     return run
+
+
+def _recomputed_from_inputs(fn: Callable) -> Callable:
+    """``_recomputed_late`` for a region that saves nothing but its inputs (no product, no
+    collective in it): the forward pass runs ``fn`` as written and keeps its inputs; the
+    backward pass differentiates ``fn`` afresh on them, tied to the cotangents. The same
+    program as the checkpoint's, traced in half the time: a checkpoint is linearised in the
+    forward pass and linearised again when it is transposed."""
+
+    @jax.custom_vjp
+    def run(*xs):
+        return fn(*xs)
+
+    def fwd(*xs):
+        return fn(*xs), xs
+
+    def bwd(xs, cts):
+        _, vjp = jax.vjp(fn, *_tied(list(xs), cts))
+        return tuple(vjp(cts))
+
+    run.defvjp(fwd, bwd)
+    return run
+
+
+def _tied(values: list, cts) -> list:
+    """``values`` (a region's saved inputs), those of floats as large as its largest cotangent
+    with ``0 * cotangent`` added (see ``_recomputed_late``)."""
+    floats = [c for c in cts if casting.is_float_dtype(c.dtype) and c.size]
+    if not floats:
+        return values
+    largest = max(c.size for c in floats)
+    by_shape = {c.shape: c for c in reversed(floats)}
+
+    def tie(x):
+        if not casting.is_float_dtype(getattr(x, "dtype", None)) or x.size < largest:
+            return x
+        # Elementwise when shapes agree: fewer instructions for XLA to copy
+        # into every fusion that reads ``x`` than a broadcast scalar.
+        c = by_shape.get(x.shape, floats[0].ravel()[0])
+        return x + (c * 0).astype(x.dtype)
+
+    return [tie(x) for x in values]
 
 
 def _eval_with_regions(closed, args, policy) -> list:
@@ -854,7 +883,10 @@ def _eval_with_regions(closed, args, policy) -> list:
             return [local[v] for v in outputs]
 
         try:
-            outs = _recomputed_late(run_region, policy)(*[env[v] for v in inputs])
+            saves = any(jaxpr.eqns[j].primitive.name in policy.saved for j in region)
+            recomputed = (_recomputed_late(run_region, policy) if saves
+                          else _recomputed_from_inputs(run_region))
+            outs = recomputed(*[env[v] for v in inputs])
         except TypeError as e:
             if "forward-mode" not in str(e):
                 raise
