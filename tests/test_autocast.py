@@ -590,6 +590,45 @@ def _conversions_by_dependence(jaxpr, shape, marked):
     return counts
 
 
+def _deep(ws, x):
+    """Four identical layers (one line in a loop), then two written out on lines of their own."""
+    for w in ws[:4]:
+        x = _layer_norm(x @ w, 1.5, 0.1)
+    x = _layer_norm(x @ ws[4], 1.5, 0.1)
+    x = _layer_norm(x @ ws[5], 1.5, 0.1)
+    return jnp.sum(jax.nn.softmax(x, axis=-1))
+
+
+def test_identical_layers_share_one_traced_backward_pass(monkeypatch):
+    from jaxmp._src import autocast as autocast_module
+    ws = [_activations(1.0, shape=(8, 32), out=32, seed=i)[0] * 0.2 for i in range(6)]
+    x = _activations(1.0, shape=(8, 32), out=32, seed=9)[1]
+    grad = jax.jit(jax.grad(jaxmp.autocast(_deep, F16)))
+    traced = []
+    tied = autocast_module._tied
+
+    def counting(values, cts):
+        traced.append(len(values))
+        return tied(values, cts)
+
+    monkeypatch.setattr(autocast_module, "_tied", counting)
+    shared = grad(ws, x)
+    regions = len(traced)
+    # Without the key, every region's backward pass is traced on its own.
+    monkeypatch.setattr(autocast_module, "_region_key", lambda *a: None)
+    traced.clear()
+    alone = jax.jit(jax.grad(jaxmp.autocast(_deep, F16)))(ws, x)
+    assert len(traced) > regions, (len(traced), regions)
+    # The loop's four layers share theirs; the two written out have their own lines.
+    assert (len(traced), regions) == (6, 3)
+    # Replayed, the backward pass computes what tracing it afresh computes, bit for bit,
+    # and both are close to float32's gradients.
+    for a, b in zip(jax.tree_util.tree_leaves(shared), jax.tree_util.tree_leaves(alone)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    reference = jax.grad(_deep)(ws, x)
+    _assert_close(shared, reference, rtol=5e-2, atol=5e-3)
+
+
 def test_recomputation_waits_for_the_cotangent():
     # A checkpoint's recomputation depends only on forward values, so XLA may
     # (and XLA:CPU does) schedule it in the forward pass, keeping its float32

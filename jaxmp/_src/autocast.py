@@ -785,12 +785,18 @@ def _recomputed_late(fn: Callable, policy: Callable) -> Callable:
     return run
 
 
-def _recomputed_from_inputs(fn: Callable) -> Callable:
+def _recomputed_from_inputs(fn: Callable, backwards: dict | None = None,
+                            key: Any = None) -> Callable:
     """``_recomputed_late`` for a region that saves nothing but its inputs (no product, no
     collective in it): the forward pass runs ``fn`` as written and keeps its inputs; the
     backward pass differentiates ``fn`` afresh on them, tied to the cotangents. The same
     program as the checkpoint's, traced in half the time: a checkpoint is linearised in the
-    forward pass and linearised again when it is transposed."""
+    forward pass and linearised again when it is transposed.
+
+    With ``backwards`` (a dict) and ``key`` (the region's structure, ``_region_key``), the
+    backward pass is traced once per structure and operand types and replayed for every
+    region with that key: the identical layers of a deep model are differentiated once.
+    """
 
     @jax.custom_vjp
     def run(*xs):
@@ -799,12 +805,57 @@ def _recomputed_from_inputs(fn: Callable) -> Callable:
     def fwd(*xs):
         return fn(*xs), xs
 
-    def bwd(xs, cts):
+    def backward(xs, cts):
         _, vjp = jax.vjp(fn, *_tied(list(xs), cts))
-        return tuple(vjp(cts))
+        return vjp(cts)
+
+    def bwd(xs, cts):
+        args = [*xs, *cts]
+        if any(compat.varying_axes(a) for a in args):  # in a shard_map body: traced in place
+            return tuple(backward(xs, cts))
+        types = tuple((a.shape, a.dtype) for a in args)
+        known = backwards if backwards is not None and key is not None else {}
+        program = known.get((key, types))
+        if program is None:
+            traced = jax.make_jaxpr(backward)(
+                *jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                        (list(xs), list(cts))))
+            # Without the recomputed outputs nothing reads (find_nonfinite would take
+            # them for gradients, the program's ends).
+            program = known[key, types] = (compat.without_dead_code(traced.jaxpr, keep_inputs=True),
+                                           traced.consts)
+        return tuple(compat.eval_jaxpr(*program, *args))
 
     run.defvjp(fwd, bwd)
     return run
+
+
+def _region_key(jaxpr, region: list[int], inputs: list, outputs: list) -> Any:
+    """What a region computes, as a hashable key: two regions with the same key compute the
+    same function of their inputs (primitives, parameters, literals, wiring, operand types),
+    written on the same lines of the user's code, callers included, under the same names
+    (``jax.named_scope``, a framework's module path): the source the backward pass carries.
+    The layers of a loop share one; a framework's layers, named each its own, do not.
+    ``None`` when a parameter cannot be a key."""
+    position = {v: ("in", k) for k, v in enumerate(inputs)}
+    parts = []
+    try:
+        for n, j in enumerate(region):
+            eqn = jaxpr.eqns[j]
+            ins = tuple(("lit", repr(v.val), str(v.aval)) if compat.is_literal(v)
+                        else position[v] for v in eqn.invars)
+            frames = compat.user_frames(eqn.source_info.traceback)
+            where = (tuple((f.file_name, f.start_line) for f in frames),
+                     str(eqn.source_info.name_stack))
+            parts.append((compat.params_key(eqn), ins,
+                          tuple(str(v.aval) for v in eqn.outvars), where))
+            position.update({v: ("eqn", n, k) for k, v in enumerate(eqn.outvars)})
+        parts.append(tuple(position[v] for v in outputs))
+        key = tuple(parts)
+        hash(key)
+    except (TypeError, KeyError):
+        return None
+    return key
 
 
 def _tied(values: list, cts) -> list:
@@ -836,6 +887,7 @@ def _eval_with_regions(closed, args, policy) -> list:
     """
     jaxpr = closed.jaxpr
     regions = _float32_regions(jaxpr)
+    backwards: dict = {}  # per region structure, its traced backward pass
     region_of = {i: r for r in regions for i in r}
     used_after: dict[int, set] = {}
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts))
@@ -885,7 +937,9 @@ def _eval_with_regions(closed, args, policy) -> list:
         try:
             saves = any(jaxpr.eqns[j].primitive.name in policy.saved for j in region)
             recomputed = (_recomputed_late(run_region, policy) if saves
-                          else _recomputed_from_inputs(run_region))
+                          else _recomputed_from_inputs(
+                              run_region, backwards,
+                              _region_key(jaxpr, region, inputs, outputs)))
             outs = recomputed(*[env[v] for v in inputs])
         except TypeError as e:
             if "forward-mode" not in str(e):

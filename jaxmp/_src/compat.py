@@ -99,16 +99,16 @@ def varying_axes(x: Any) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))  # jax <= 0.8
 
 
-def without_dead_code(jaxpr: Any) -> Any:
+def without_dead_code(jaxpr: Any, keep_inputs: bool = False) -> Any:
     """``jaxpr`` (an open ``Jaxpr``) without the equations no output depends on.
 
     What lowering drops: a custom_vjp's primal computation under ``grad``,
-    unused values. Private (JAX's ``dce_jaxpr``); a JAX release without it
-    gives ``jaxpr`` unchanged.
+    unused values. Unused inputs go too, unless ``keep_inputs``. Private
+    (JAX's ``dce_jaxpr``); a JAX release without it gives ``jaxpr`` unchanged.
     """
     if _private_dce_jaxpr is None:  # pragma: no cover
         return jaxpr
-    return _private_dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0]
+    return _private_dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=keep_inputs)[0]
 
 
 def in_forward_mode(values: Any) -> bool:
