@@ -12,13 +12,11 @@
 * The texts: :func:`stuck_message`, :func:`skips_message` and
   :func:`past_alarm_message` (an alarm that ended before the host saw it).
 * The record of what was said, so that each alarm is said once.
-* :func:`watch`: the explicit registration of a concrete state with
+* :func:`watch`: the registration of a concrete state with
   :func:`jaxmp._src.host.watch`, which reads the alarm once its step has run.
-  Building a :class:`jaxmp.ScalerState` registers nothing; the places where a
-  state reaches the host do: :func:`jaxmp.adjust` run eagerly, the pytree
-  registration of the state (a state that a compiled step returns), the
-  restore of a checkpoint, and :func:`start_run`, called by the scaler's
-  constructors (:func:`jaxmp.init_scaler` and the others) to mark a new run.
+  The state's constructor calls it: JAX rebuilds a state that a compiled step
+  returns with its constructor, the one moment jaxmp's code runs on the host
+  between steps (see :mod:`jaxmp._src.loss_scale`).
 
 A state is read duck-typed: its settings (static fields ``mode``,
 ``min_scale``, ``max_scale``, ``stuck_after``, ``on_stuck``) and its array
@@ -249,7 +247,7 @@ def _say_alarm(settings: State, words: np.ndarray) -> None:
 def watch(state: State) -> None:
     """Has the host say ``state``'s alarm once the step that computed it has run.
 
-    The explicit registration of a state with :func:`jaxmp._src.host.watch`.
+    The registration of a state with :func:`jaxmp._src.host.watch`.
     A state with ``on_stuck="off"``, or whose arrays have no value yet
     (tracers, inside ``jit``, ``vmap`` or ``lax.scan``; ``None`` or
     ``PartitionSpec`` leaves of a tree of the state's shape) is left alone:
@@ -266,22 +264,3 @@ def watch(state: State) -> None:
     if state.on_stuck != "off" and host.is_concrete_array(state.alarm):
         host.watch(_alarm_words(state), functools.partial(_say_alarm, state),
                    background=state.on_stuck == "warn")
-
-
-def start_run(state: State) -> None:
-    """Tells the alarms that a run starts with ``state``, a scaler state just created.
-
-    Each alarm is said once: a later state of the same run, or a copy, says
-    nothing more. A state from an earlier step than an alarm already said
-    belongs to another run, which has alarms of its own, and seeing it makes
-    the host forget what was said. A fresh state is at step 0, earlier than
-    any: registered like the states a step returns (:func:`watch`), it is
-    read after the states before it, and a new run (an alarm at the same
-    step as in a finished one, a run inside one ``jit`` whose first state
-    seen is its last) is said again.
-
-    Args:
-        state: a :class:`jaxmp.ScalerState` from :func:`jaxmp.init_scaler`,
-            :func:`jaxmp.static_scaler` or :func:`jaxmp.noop_scaler`.
-    """
-    watch(state)

@@ -5,12 +5,10 @@ every step: on a CPU about half a millisecond even under a ``lax.cond`` that
 never fires, on a GPU a wait for the predicate. jaxmp therefore says most of
 what it has to say from the *state the step returns*:
 
-* :func:`watch` is called (by :func:`jaxmp._src.alarms.watch`) wherever a
-  concrete :class:`jaxmp.ScalerState` reaches the host: every time a jitted
-  step returns one, an eager :func:`jaxmp.adjust`, a new scaler, a restored
-  checkpoint (building a state by itself calls nothing). It keeps a few
-  words computed from the state (a new array, because a training loop
-  usually donates the state to the next step) and reads them once they are
+* :func:`watch` is called whenever a concrete :class:`jaxmp.ScalerState` is
+  built on the host, which includes every time a jitted step returns one. It
+  keeps a few words computed from the state (a new array, because a training
+  loop usually donates the state to the next step) and reads them once they are
   ready: at the latest two states later, so the host never waits for the step
   it has just dispatched. When the alarm is set, the state's ``check`` says
   why (a warning or an error). A state that is the last for a while (a whole

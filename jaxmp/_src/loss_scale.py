@@ -1,10 +1,10 @@
 """Loss scaling whose state is an explicit pytree.
 
-The state is a frozen dataclass registered as a pytree: the numbers that
-change during training (the scale and the counters) are array fields, and the
-settings are static fields, so they are part of the tree structure and survive
-``jit``, ``tree_map``, ``lax.scan`` carries and checkpoints. Free functions
-take a state in and give a new state out, in the manner of optax.
+The state is a ``flax.struct`` dataclass: the numbers that change during
+training (the scale and the counters) are array fields, and the settings are
+static fields, so they are part of the tree structure and survive ``jit``,
+``tree_map``, ``lax.scan`` carries and checkpoints. Free functions take a state
+in and give a new state out, in the manner of optax.
 
 Three modes share the one state type:
 
@@ -22,11 +22,13 @@ applied again) and *frequent skips* (a third of the recent steps skipped).
 error or nothing, by the ``on_stuck`` setting) when the state comes back to the
 host: the step itself contains no host callback, so healthy steps pay nothing.
 What is said, and when, is :mod:`jaxmp._src.alarms`'s; this module computes
-the alarm, and hands a concrete state to the alarms explicitly where it
-reaches the host: :func:`adjust` run eagerly, the pytree registration (a state
-a compiled step returns), a checkpoint's restore, and the constructors (a new
-run). Building a :class:`ScalerState` itself, or ``replace``, has no side
-effect.
+the alarm. A concrete state reaches the host by its constructor: JAX rebuilds
+a ``flax.struct`` state returned by a compiled step (``jit``, a ``lax.scan``
+inside it, ``vmap``, ``pmap``, ``shard_map``) with it, and no other jaxmp code
+runs on the host between steps, so ``__post_init__`` hands such a state to
+:func:`jaxmp._src.alarms.watch` (which leaves tracers and ``on_stuck="off"``
+alone). A custom pytree registration could do that without a constructor hook,
+but the state's type is fixed as a ``flax.struct`` dataclass.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import serialization
+from flax import struct
 
 from jaxmp._src import alarms
 from jaxmp._src import casting
@@ -59,10 +62,10 @@ _FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
 
 def _setting(default: Any) -> Any:
     """A static field: part of the tree structure, not a leaf (``pytree_node=False``)."""
-    return dataclasses.field(default=default, metadata={"pytree_node": False})
+    return struct.field(pytree_node=False, default=default)
 
 
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class ScalerState:
     """The state of a loss scaler.
 
@@ -139,9 +142,10 @@ class ScalerState:
     on_stuck: str = _setting("warn")
     stuck_after: int = _setting(10)
 
-    def replace(self, **updates: Any) -> "ScalerState":
-        """A copy of the state with the fields in ``updates`` replaced (no other effect)."""
-        return dataclasses.replace(self, **updates)
+    def __post_init__(self):
+        # Every concrete state built on the host, including each one a compiled step
+        # returns (JAX rebuilds it with this constructor), is read once its step has run.
+        alarms.watch(self)
 
 
 # The array fields of a ScalerState (what a checkpoint holds), and those added after
@@ -150,38 +154,6 @@ class ScalerState:
 _ARRAY_FIELDS = tuple(f.name for f in dataclasses.fields(ScalerState)
                       if f.metadata.get("pytree_node", True))
 _RECORD_FIELDS = ("longest_skip_run", "alarm_record", "alarm_record_step")
-_SETTING_FIELDS = tuple(f.name for f in dataclasses.fields(ScalerState)
-                        if f.name not in _ARRAY_FIELDS)
-_KEYS = tuple(jax.tree_util.GetAttrKey(name) for name in _ARRAY_FIELDS)
-
-
-def _flatten(state: ScalerState) -> tuple[list, tuple]:
-    """The leaves (the array fields) and the static part (the settings) of a state."""
-    return ([getattr(state, name) for name in _ARRAY_FIELDS],
-            tuple(getattr(state, name) for name in _SETTING_FIELDS))
-
-
-def _flatten_with_keys(state: ScalerState) -> tuple[list, tuple]:
-    leaves, settings = _flatten(state)
-    return list(zip(_KEYS, leaves)), settings
-
-
-def _unflatten(settings: tuple, leaves: Any) -> ScalerState:
-    """A state rebuilt from its leaves, registered with the alarms when they have values.
-
-    Every state a compiled program returns to the host (a jitted step, a
-    ``lax.scan`` over steps inside ``jit``, ``vmap``, ``pmap``, ``shard_map``)
-    is rebuilt here, and no other jaxmp code runs on the host between steps:
-    this is where such a state is handed to :func:`alarms.watch
-    <jaxmp._src.alarms.watch>`. States rebuilt from tracers (while tracing) or
-    from anything but arrays are left alone by it.
-    """
-    state = ScalerState(**dict(zip(_ARRAY_FIELDS, leaves)), **dict(zip(_SETTING_FIELDS, settings)))
-    alarms.watch(state)
-    return state
-
-
-jax.tree_util.register_pytree_with_keys(ScalerState, _flatten_with_keys, _unflatten, _flatten)
 
 
 def _to_state_dict(state: ScalerState) -> dict:
@@ -217,11 +189,9 @@ def _from_state_dict(target: ScalerState, state: dict) -> ScalerState:
             f"written before the record fields {', '.join(_RECORD_FIELDS)} existed loads "
             "without them): restore the scaler state saved with the run, onto a target made "
             "by jaxmp.init_scaler, static_scaler or noop_scaler.")
-    restored = target.replace(**{
+    return target.replace(**{
         name: serialization.from_state_dict(getattr(target, name), state[name], name=name)
         for name in _ARRAY_FIELDS})
-    alarms.watch(restored)  # a restored state reaches the host (watched if it holds jax.Arrays)
-    return restored
 
 
 serialization.register_serialization_state(
@@ -274,7 +244,6 @@ def _make_state(initial_scale, mode, *, on_stuck, stuck_after, **settings) -> Sc
         stuck_after=stuck_after,
         **settings,
     )
-    alarms.start_run(state)
     return state
 
 
@@ -576,7 +545,7 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
     alarm_step = jnp.where(alarm != state.alarm, steps, state.alarm_step)
     # The record of the whole run: what a run read once, at its end, must still say.
     raised = (alarm & ~state.alarm) != 0
-    new = state.replace(
+    return state.replace(
         scale=new_scale,
         steps_since_overflow=since.astype(jnp.int32),
         overflow_streak=streak.astype(jnp.int32),
@@ -589,11 +558,6 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
         alarm_record=state.alarm_record | alarm,
         alarm_record_step=jnp.where(raised, steps, state.alarm_record_step).astype(jnp.int32),
     )
-    # Run eagerly, the new state is on the host now: have its alarm read once it is
-    # computed. Traced (jit, scan, vmap), this does nothing: the program's output is
-    # watched when it comes back to the host (_unflatten).
-    alarms.watch(new)
-    return new
 
 
 # The most leaves all_finite reduces in one kernel: XLA:GPU fuses at most 96 operands into
