@@ -504,7 +504,7 @@ def test_shard_map_fsdp_reduce_dtype_moves_reduce_scatter_to_float32(mesh, autoc
 @pytest.mark.parametrize("spec", ["ij,jk->ik", "bji,kjb->bki"])  # plain; batch + odd layouts
 def test_widened_products_have_the_same_gradients(spec):
     """The rewritten matrix products (float32 gradient outputs) match JAX's own gradients."""
-    from jaxmp._src import sharding  # pylint: disable=g-import-not-at-top
+    from jaxmp._src import wide_gradients  # pylint: disable=g-import-not-at-top
 
     shapes = {"ij,jk->ik": ((4, 3), (3, 5)), "bji,kjb->bki": ((2, 3, 4), (5, 3, 2))}[spec]
     k1, k2 = jax.random.split(jax.random.key(3))
@@ -520,7 +520,7 @@ def test_widened_products_have_the_same_gradients(spec):
         out, _ = jax.lax.scan(body, out, jnp.ones((2,) + out.shape, out.dtype))
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
-    wide = sharding.widen_gradient_products(loss, jnp.float32)
+    wide = wide_gradients.widen_gradient_products(loss, jnp.float32)
     assert "preferred_element_type=float32" in str(jax.make_jaxpr(jax.grad(wide, (0, 1)))(a, b))
     # Operands stay float16 (tensor cores); only the products' outputs are float32.
     assert jaxmp.half_matmul_flop_share(jax.grad(wide, (0, 1)), a, b) == 1.0

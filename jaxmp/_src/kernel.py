@@ -36,6 +36,7 @@ from jaxmp._src import interpret
 from jaxmp._src import loss_scale
 from jaxmp._src import sharding
 from jaxmp._src import update
+from jaxmp._src import wide_gradients
 
 PyTree = Any
 
@@ -273,7 +274,7 @@ class Step:
                                          matmul_dtype, float8_scaling)
         reduce_dtype = sharding.check_reduce_dtype(reduce_dtype)
         if use_mixed_precision:  # under jit, XLA's gradient all-reduces in reduce_dtype
-            call = sharding.widen_gradient_products(call, reduce_dtype)
+            call = wide_gradients.widen_gradient_products(call, reduce_dtype)
         compute_dtype = casting.canonical_float_dtype(
             compute_dtype, allowed=casting.COMPUTE_DTYPES, what="compute_dtype")
         return cls(api=api, call=call, input_dtype=input_dtype, argnums=argnums, nums=nums,

@@ -21,6 +21,14 @@ applied again) and *frequent skips* (a third of the recent steps skipped).
 (a :class:`TrainingStuckWarning` or :class:`SkippedStepsWarning` by default, an
 error or nothing, by the ``on_stuck`` setting) when the state comes back to the
 host: the step itself contains no host callback, so healthy steps pay nothing.
+What is said, and when, is :mod:`jaxmp._src.alarms`'s; this module computes
+the alarm. A concrete state reaches the host by its constructor: JAX rebuilds
+a ``flax.struct`` state returned by a compiled step (``jit``, a ``lax.scan``
+inside it, ``vmap``, ``pmap``, ``shard_map``) with it, and no other jaxmp code
+runs on the host between steps, so ``__post_init__`` hands such a state to
+:func:`jaxmp._src.alarms.watch` (which leaves tracers and ``on_stuck="off"``
+alone). A custom pytree registration could do that without a constructor hook,
+but the state's type is fixed as a ``flax.struct`` dataclass.
 """
 
 from __future__ import annotations
@@ -28,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 from typing import Any, Callable
 
 import jax
@@ -37,80 +44,25 @@ import numpy as np
 from flax import serialization
 from flax import struct
 
+from jaxmp._src import alarms
 from jaxmp._src import casting
-from jaxmp._src import host
 from jaxmp._src import sharding
+
+# Defined with the texts of the alarms; the classes are imported from here by
+# jaxmp/__init__.py, the bit STUCK by the tests.
+from jaxmp._src.alarms import SkippedStepsWarning  # pylint: disable=unused-import
+from jaxmp._src.alarms import STUCK  # pylint: disable=unused-import
+from jaxmp._src.alarms import TrainingStuckError  # pylint: disable=unused-import
+from jaxmp._src.alarms import TrainingStuckWarning  # pylint: disable=unused-import
 
 PyTree = Any
 
 _FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
-ON_STUCK = ("warn", "raise", "off")
-# Frequent skips: at least this many of the last SKIP_WINDOW steps skipped
-# (counted from the first finite step, so the scale's first descent is not).
-SKIP_WINDOW = 64
-FREQUENT_SKIPS = 22
-# Bits of ScalerState.alarm.
-STUCK = 1
-FREQUENT = 2
 
 
-class TrainingStuckWarning(RuntimeWarning):
-    """Issued once when every step overflows at the minimum loss scale.
-
-    Filter it like any warning, e.g.
-    ``warnings.simplefilter("error", jaxmp.TrainingStuckWarning)``, or choose
-    ``on_stuck="raise"`` / ``"off"`` when creating the scaler.
-
-    Examples:
-        >>> import jaxmp
-        >>> issubclass(jaxmp.TrainingStuckWarning, RuntimeWarning)
-        True
-        >>> quiet = jaxmp.init_scaler(on_stuck="off")  # or "raise"; "warn" is the default
-        >>> quiet.on_stuck, quiet.stuck_after
-        ('off', 10)
-    """
-
-
-class SkippedStepsWarning(RuntimeWarning):
-    """Issued once when a third of the recent steps were skipped (non-finite gradients).
-
-    Intermittent overflows that lowering the scale does not cure: each skipped
-    step throws away a batch. Controlled, like :class:`TrainingStuckWarning`,
-    by the scaler's ``on_stuck`` setting (``"raise"`` raises a
-    :class:`TrainingStuckError` with the same message).
-
-    Examples:
-        >>> import warnings
-        >>> import jax
-        >>> import jaxmp
-        >>> state, step = jaxmp.noop_scaler(), jax.jit(jaxmp.adjust)
-        >>> with warnings.catch_warnings(record=True) as caught:
-        ...     warnings.simplefilter("always")
-        ...     for i in range(90):
-        ...         state = step(state, i % 2 == 0)  # every other step is skipped
-        >>> [type(w.message).__name__ for w in caught]
-        ['SkippedStepsWarning']
-    """
-
-
-class TrainingStuckError(RuntimeError):
-    """Raised (with ``on_stuck="raise"``) when every step overflows at the minimum loss scale.
-
-    It is raised on the host when the stuck state comes back from the step:
-    by the call that returns a later state, at most two steps after the stuck
-    one (jaxmp reads a state once its step has finished, so that the host
-    never waits for the step it has just started).
-
-    Examples:
-        >>> import jaxmp
-        >>> state = jaxmp.init_scaler(initial_scale=1.0, stuck_after=2, on_stuck="raise")
-        >>> try:
-        ...     for _ in range(5):
-        ...         state = jaxmp.adjust(state, False)
-        ... except jaxmp.TrainingStuckError as error:
-        ...     print(str(error).startswith("jaxmp: training is stuck."))
-        True
-    """
+def _setting(default: Any) -> Any:
+    """A static field: part of the tree structure, not a leaf (``pytree_node=False``)."""
+    return struct.field(pytree_node=False, default=default)
 
 
 @struct.dataclass
@@ -180,22 +132,20 @@ class ScalerState:
     longest_skip_run: jax.Array
     alarm_record: jax.Array
     alarm_record_step: jax.Array
-    mode: str = struct.field(pytree_node=False, default="dynamic")
-    growth_interval: int = struct.field(pytree_node=False, default=2000)
-    growth_factor: float = struct.field(pytree_node=False, default=2.0)
-    backoff_factor: float = struct.field(pytree_node=False, default=0.5)
-    min_scale: float = struct.field(pytree_node=False, default=1.0)
-    max_scale: float = struct.field(pytree_node=False, default=2.0**24)
-    hysteresis: int = struct.field(pytree_node=False, default=1)
-    on_stuck: str = struct.field(pytree_node=False, default="warn")
-    stuck_after: int = struct.field(pytree_node=False, default=10)
+    mode: str = _setting("dynamic")
+    growth_interval: int = _setting(2000)
+    growth_factor: float = _setting(2.0)
+    backoff_factor: float = _setting(0.5)
+    min_scale: float = _setting(1.0)
+    max_scale: float = _setting(2.0**24)
+    hysteresis: int = _setting(1)
+    on_stuck: str = _setting("warn")
+    stuck_after: int = _setting(10)
 
     def __post_init__(self):
-        # Every concrete state built on the host, including each one a jitted
-        # step returns, is read once its step has run (see jaxmp/_src/host.py).
-        if self.on_stuck != "off" and host.is_concrete_array(self.alarm):
-            host.watch(_alarm_words(self), functools.partial(_say_alarm, self),
-                       background=self.on_stuck == "warn")
+        # Every concrete state built on the host, including each one a compiled step
+        # returns (JAX rebuilds it with this constructor), is read once its step has run.
+        alarms.watch(self)
 
 
 # The array fields of a ScalerState (what a checkpoint holds), and those added after
@@ -267,8 +217,8 @@ def _check_number(name: str, value: Any, *, integer: bool = False) -> float | in
 
 
 def _check_stuck_settings(on_stuck: Any, stuck_after: Any) -> tuple[str, int]:
-    if on_stuck not in ON_STUCK:
-        raise ValueError(f"on_stuck must be one of {', '.join(map(repr, ON_STUCK))}, got {on_stuck!r}.")
+    if on_stuck not in alarms.ON_STUCK:
+        raise ValueError(f"on_stuck must be one of {', '.join(map(repr, alarms.ON_STUCK))}, got {on_stuck!r}.")
     stuck_after = _check_number("stuck_after", stuck_after, integer=True)
     if stuck_after < 1:
         raise ValueError(f"stuck_after must be >= 1, got {stuck_after}.")
@@ -277,7 +227,7 @@ def _check_stuck_settings(on_stuck: Any, stuck_after: Any) -> tuple[str, int]:
 
 def _make_state(initial_scale, mode, *, on_stuck, stuck_after, **settings) -> ScalerState:
     on_stuck, stuck_after = _check_stuck_settings(on_stuck, stuck_after)
-    return ScalerState(
+    state = ScalerState(
         scale=jnp.asarray(initial_scale, jnp.float32),
         steps_since_overflow=jnp.zeros((), jnp.int32),
         overflow_streak=jnp.zeros((), jnp.int32),
@@ -294,6 +244,7 @@ def _make_state(initial_scale, mode, *, on_stuck, stuck_after, **settings) -> Sc
         stuck_after=stuck_after,
         **settings,
     )
+    return state
 
 
 def init_scaler(
@@ -507,142 +458,6 @@ def check_finite_flag(finite: Any, name: str = "finite") -> jax.Array:
     return finite
 
 
-def stuck_message(state: ScalerState, streak: int) -> str:
-    """The text a user reads when training is stuck (see :func:`adjust`).
-
-    Only the settings of ``state`` (static fields) are read.
-    """
-    return (
-        f"jaxmp: training is stuck. The last {streak} steps all had non-finite gradients "
-        f"{_stuck_where(state)} and were skipped: the parameters no longer change. "
-        f"{_stuck_cause(state)}\n"
-        "  Find the operation:  print(jaxmp.find_nonfinite(loss_fn, compute_dtype=...)"
-        "(params, *batch))  (the same options as mp_value_and_grad)\n"
-        "  Then fix it with one of: autocast=True, the default of mp_value_and_grad, if you "
-        "passed autocast=False (sums, variances, exp/log in float32); "
-        "jaxmp.force_full_precision around the overflowing code; "
-        "compute_dtype=jnp.bfloat16 (float32's range); float32 master weights.\n"
-        f"  (Said once per stuck run; the scaler's on_stuck='{state.on_stuck}' setting: "
-        "'warn', 'raise' or 'off'.)"
-    )
-
-
-def _stuck_where(state: ScalerState) -> str:
-    if state.mode == "none":
-        return "without loss scaling"
-    return f"at the minimum loss scale ({state.min_scale:g})"
-
-
-def _stuck_cause(state: ScalerState) -> str:
-    if state.mode == "none":
-        return ("The loss or the gradients are inf/NaN whatever the step: an operation "
-                "overflows (or divides by zero) in this precision.")
-    return ("Lowering the scale cannot help: an operation overflows float16 by itself, "
-            "typically the backward pass of a normalisation (rsqrt of a small variance), "
-            "a softmax or a large sum computed in float16.")
-
-
-def skips_message(state: ScalerState, skipped: int) -> str:
-    """The text a user reads when many recent steps were skipped (see :func:`adjust`)."""
-    return (
-        f"jaxmp: {skipped} of the last {SKIP_WINDOW} steps were skipped (non-finite "
-        f"gradients; the loss scale is now {_scale_words(state)}). Each skipped step throws "
-        "its batch away, and overflows that keep coming back are not cured by the scale: "
-        "an operation overflows now and then in this precision (a loss computed in half "
-        "precision, a softmax, a normalisation of large activations, random draws far in "
-        "the tail).\n"
-        "  Find the operation:  print(jaxmp.find_nonfinite(loss_fn, compute_dtype=...)"
-        "(params, *batch))  on a batch whose step was skipped\n"
-        "  Then fix it with one of: autocast=True (the default of mp_value_and_grad) "
-        "rather than autocast=False; jaxmp.force_full_precision around the overflowing "
-        "code; compute_dtype=jnp.bfloat16 (float32's range).\n"
-        f"  (Said once; the scaler's on_stuck='{state.on_stuck}' setting: "
-        "'warn', 'raise' or 'off'.)"
-    )
-
-
-def _scale_words(state: ScalerState) -> str:
-    return "not used" if state.mode == "none" else f"in [{state.min_scale:g}, {state.max_scale:g}]"
-
-
-@jax.jit
-def _alarm_words(state: ScalerState) -> jax.Array:
-    """What the host needs to say an alarm: one row per scaler (``vmap`` makes several)."""
-    skipped = (jax.lax.population_count(state.recent).astype(jnp.int32)).sum(axis=-1)
-    words = [state.alarm, state.alarm_step, state.steps, state.overflow_streak, skipped,
-             state.alarm_record, state.alarm_record_step, state.longest_skip_run]
-    return jnp.stack([jnp.ravel(w) for w in words], axis=-1)
-
-
-# Alarms already said, as (alarm, alarm_step), and the alarms of the record
-# said, as ("raised", alarm_record_step). A state from an earlier step than one
-# of them belongs to another run (or a run resumed from a checkpoint), whose
-# alarms are its own: seeing one forgets those.
-_SAID: set = set()
-
-
-def _say_alarm(settings: ScalerState, words: np.ndarray) -> None:
-    """Host side: says what a state's ``alarm`` means, once per alarm.
-
-    A state whose alarm has ended since it was raised (a run inside one
-    ``jit`` comes back once, at its end) says the alarm of its record instead,
-    unless an earlier state said it already. Only the settings (static
-    fields) of ``settings`` are read: its arrays may have been donated to a
-    later step.
-    """
-    for row in np.asarray(words).reshape(-1, 8).tolist():
-        alarm, alarm_step, steps, streak, skipped, record, record_step, longest = row
-        _SAID.difference_update([key for key in _SAID if key[1] > steps])
-        if alarm:
-            if (alarm, alarm_step) in _SAID:
-                continue
-            _SAID.update([(alarm, alarm_step), ("raised", record_step)])
-            if alarm & STUCK:
-                message, category = stuck_message(settings, streak), TrainingStuckWarning
-            else:
-                message, category = skips_message(settings, skipped), SkippedStepsWarning
-        elif record and ("raised", record_step) not in _SAID:
-            _SAID.add(("raised", record_step))
-            message = past_alarm_message(settings, record, record_step, steps, longest)
-            category = TrainingStuckWarning if record & STUCK else SkippedStepsWarning
-        else:
-            continue
-        if settings.on_stuck == "raise":
-            raise TrainingStuckError(message)
-        warnings.warn(message, category, stacklevel=1)
-
-
-def past_alarm_message(state: ScalerState, record: int, record_step: int, steps: int,
-                       longest: int) -> str:
-    """The text a user reads when the state shows an alarm that ended before the host saw it.
-
-    Only the settings of ``state`` (static fields) are read.
-    """
-    if record & STUCK:
-        what = (f"training got stuck at step {record_step} ({state.stuck_after} steps in a row "
-                f"had non-finite gradients {_stuck_where(state)} and were skipped)")
-        cause = _stuck_cause(state)
-    else:
-        what = (f"at step {record_step}, {FREQUENT_SKIPS} or more of the last {SKIP_WINDOW} "
-                "steps had been skipped (non-finite gradients)")
-        cause = ("Overflows that keep coming back are not cured by the scale: an operation "
-                 "overflows now and then in this precision.")
-    return (
-        f"jaxmp: {what}, and had recovered by step {steps}, when this scaler state came back "
-        f"to the host. The longest run of skipped steps in this run: {longest} (the "
-        "parameters did not change during it). A run inside one jit (steps in a lax.scan) "
-        "returns its state once, so jaxmp says it now; jaxmp.scaler_metrics(state) as an "
-        f"output of the scan says at which steps. {cause}\n"
-        "  Find the operation:  print(jaxmp.find_nonfinite(loss_fn, compute_dtype=...)"
-        "(params, *batch))  on a batch whose step was skipped\n"
-        "  Then fix it with one of: jaxmp.force_full_precision around the overflowing code; "
-        "compute_dtype=jnp.bfloat16 (float32's range); autocast=True (the default of "
-        "mp_value_and_grad) rather than autocast=False.\n"
-        f"  (Said once; the scaler's on_stuck='{state.on_stuck}' setting: "
-        "'warn', 'raise' or 'off'.)"
-    )
-
-
 def adjust(state: ScalerState, finite: Any) -> ScalerState:
     """Returns the state after a step whose gradients were ``finite`` or not.
 
@@ -724,7 +539,8 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
         floor = jnp.asarray(state.min_scale, jnp.float32)
         stuck = (streak >= state.stuck_after) & (new_scale <= floor)
         n_skipped = jax.lax.population_count(recent).astype(jnp.int32).sum(axis=-1)
-        alarm = (jnp.where(stuck, STUCK, 0) | jnp.where(n_skipped >= FREQUENT_SKIPS, FREQUENT, 0))
+        alarm = (jnp.where(stuck, alarms.STUCK, 0)
+                 | jnp.where(n_skipped >= alarms.FREQUENT_SKIPS, alarms.FREQUENT, 0))
     alarm = jnp.asarray(alarm, jnp.int32)
     alarm_step = jnp.where(alarm != state.alarm, steps, state.alarm_step)
     # The record of the whole run: what a run read once, at its end, must still say.

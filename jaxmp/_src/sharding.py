@@ -17,9 +17,13 @@ This module decides, at trace time, what jaxmp does about the other devices:
 * :func:`verdict` makes one finiteness flag for every device of the mesh, over
   every manual axis, whatever ``axis_name`` lists, so the scaler state stays
   replicated.
-* :func:`widen_gradient_products` reaches the sums jaxmp does not write (XLA's
-  under ``jit``, autodiff's for an FSDP ``all_gather``) when ``reduce_dtype``
-  is float32.
+* :func:`check_reduce_dtype` checks the dtype of those sums.
+
+The sums jaxmp does not write (XLA's under ``jit``, autodiff's for an FSDP
+``all_gather``) are reached by rewriting the loss function's products:
+:mod:`jaxmp._src.wide_gradients`, which needs the jaxpr interpreter that this
+module, on the path of every gradient step and of :func:`jaxmp.all_finite`,
+does without.
 
 Which leaves are sharded is read from JAX's varying-manual-axes types (the
 default ``check_vma=True`` of ``shard_map``). Without them (``check_vma=False``,
@@ -37,7 +41,6 @@ import numpy as np
 
 from jaxmp._src import casting
 from jaxmp._src import compat
-from jaxmp._src import interpret
 
 PyTree = Any
 
@@ -289,112 +292,3 @@ def check_reduce_dtype(reduce_dtype: Any) -> np.dtype | None:
     return casting.canonical_float_dtype(
         reduce_dtype, allowed=casting.COMPUTE_DTYPES, what="reduce_dtype"
     )
-
-
-# --- Reductions jaxmp does not write: XLA's under jit, autodiff's for FSDP gathers ------------------
-#
-# Under jit with NamedSharding, XLA's partitioner puts the sum over devices of a weight gradient on
-# the output of the matrix product that contracts the batch axis, in that product's dtype: float16,
-# on scaled values. Casting the parameter in a custom_vjp does not move it (the all-reduce comes
-# before the cast). What does is the product itself producing float32: the functions below run a
-# loss function with every half-precision ``dot_general`` replaced by one whose operand gradients
-# come out of the product in ``reduce_dtype`` (float16 operands, float32 accumulation and output,
-# as on GPUs), then are cast back to the operand's dtype. Inside shard_map the same is done for the
-# reduce-scatter that differentiates an ``all_gather`` of a half-precision parameter (FSDP).
-
-
-def _gradient_dot(g, y, x_ndim, dims, swap, precision, out_dtype):
-    """The gradient of ``dot_general`` for its operand ``x`` (``y`` the other), as JAX's rule."""
-    (x_contract, y_contract), (x_batch, y_batch) = dims
-    x_kept = [i for i in range(x_ndim) if i not in x_contract and i not in x_batch]
-    y_kept = [i for i in range(y.ndim) if i not in y_contract and i not in y_batch]
-    nb = len(x_batch)
-    start = nb if swap else nb + len(x_kept)  # where y's kept axes sit in the output
-    g_dims = ((tuple(range(start, start + len(y_kept))), tuple(y_kept)),
-              (tuple(range(nb)), tuple(y_batch)))
-    out = jax.lax.dot_general(g, y, g_dims, precision=precision, preferred_element_type=out_dtype)
-    order = list(x_batch) + x_kept + list(np.take(x_contract, np.argsort(y_contract)))
-    return jax.lax.transpose(out, tuple(int(i) for i in np.argsort(order)))
-
-
-def _wide_gradient_dot(eqn, wide):
-    dims = compat.dimension_numbers(eqn)
-    precision = compat.precision(eqn)
-
-    @jax.custom_vjp
-    def dot(x, y):
-        return compat.bind_with(eqn, [x, y])
-
-    def fwd(x, y):
-        return dot(x, y), (x, y)
-
-    def bwd(res, g):
-        x, y = res
-        g = g.astype(x.dtype)
-        (xc, yc), (xb, yb) = dims
-        dx = _gradient_dot(g, y, x.ndim, dims, False, precision, wide)
-        dy = _gradient_dot(g, x, y.ndim, ((yc, xc), (yb, xb)), True, precision, wide)
-        return dx.astype(x.dtype), dy.astype(y.dtype)
-
-    dot.defvjp(fwd, bwd)
-    return dot
-
-
-def _wide_gradient_gather(eqn, wide):
-    """``all_gather`` whose gradient (a reduce-scatter) is summed in ``wide``: FSDP in shard_map."""
-    params = compat.all_gather(eqn)
-
-    @jax.custom_vjp
-    def gather(x):
-        return compat.bind_with(eqn, [x])
-
-    dtype = eqn.invars[0].aval.dtype
-
-    def fwd(x):
-        return gather(x), None
-
-    def bwd(_, g):
-        out = jax.lax.psum_scatter(
-            g.astype(wide), params.axis_name, scatter_dimension=params.dimension,
-            axis_index_groups=params.axis_index_groups, tiled=params.tiled)
-        return (out.astype(dtype),)
-
-    gather.defvjp(fwd, bwd)
-    return gather
-
-
-class _WideGradients(interpret.Interpreter):
-    """Runs a jaxpr as written, but for the half-precision products and gathers it widens."""
-
-    def __init__(self, wide: np.dtype, manual: bool):
-        super().__init__()
-        self.wide, self.manual = wide, manual
-
-    def first_order(self, eqn, invals):
-        half = [v.aval.dtype for v in eqn.invars if casting.is_half_dtype(v.aval.dtype)]
-        name = eqn.primitive.name
-        if name == "dot_general" and not self.manual and len(half) == 2 and half[0] == half[1]:
-            return [_wide_gradient_dot(eqn, self.wide)(*invals)]
-        if name == "all_gather" and self.manual and half:
-            return [_wide_gradient_gather(eqn, self.wide)(*invals)]
-        return interpret.bind(eqn, invals)
-
-
-def widen_gradient_products(fn, reduce_dtype: Any):
-    """``fn`` whose gradient reductions across devices run in ``reduce_dtype``.
-
-    Under ``jit`` with ``NamedSharding``, every half-precision matrix product
-    gives its operand gradients in ``reduce_dtype`` (then cast back), so the
-    sums over devices that XLA inserts after the weight-gradient products run
-    in ``reduce_dtype``. Inside ``shard_map``, every half-precision
-    ``all_gather`` (FSDP) sums its gradient, a reduce-scatter, in
-    ``reduce_dtype``. With ``reduce_dtype=None``, ``fn`` is returned as it is.
-    Operations inside custom derivative rules are left as written.
-    """
-    if reduce_dtype is None or np.dtype(reduce_dtype).itemsize < 4:
-        return fn  # half-precision reductions: XLA's and autodiff's already are
-
-    def run(closed, arrays):
-        return _WideGradients(reduce_dtype, bool(manual_axes())).eval_closed(closed, arrays)
-
-    return interpret.transform(fn, run)
