@@ -792,3 +792,38 @@ def test_force_full_precision_runs_its_products_in_float32_under_autocast(comput
     forced = [row for row in report.wider if row.reason == "forced"]
     assert forced and sum(row.flops for row in forced) == 3 * one, str(report)
     assert "jaxmp.force_full_precision" in str(report)
+
+
+def test_rules_put_each_primitive_in_one_kind():
+    rules = jaxmp.AutocastRules()
+    assert rules.kind("dot_general") == "low_precision"
+    assert rules.kind("exp") == "full_precision"
+    assert rules.kind("tanh") == "bounded"
+    assert rules.kind("not_a_primitive") is None
+    # Set by the user, a kind takes a primitive from a default set left as it is (before,
+    # the order of the fields decided, and tanh stayed bounded whatever follow said).
+    follow_tanh = jaxmp.AutocastRules(follow=jaxmp.autocast.FOLLOW | {"tanh"})
+    assert follow_tanh.kind("tanh") == "follow"
+    full_tanh = jaxmp.AutocastRules(full_precision=jaxmp.autocast.FULL_PRECISION | {"tanh"})
+    assert full_tanh.kind("tanh") == "full_precision"
+    # In two kinds the user set: an error that names both.
+    with pytest.raises(ValueError, match=r"'tanh' is in both full_precision and bounded"):
+        jaxmp.AutocastRules(full_precision=jaxmp.autocast.FULL_PRECISION | {"tanh"},
+                            bounded={"tanh"})
+
+
+def test_a_primitive_moved_to_follow_keeps_a_float32_operand_wide():
+    def f(x):
+        return jnp.sum(jnp.tanh(jnp.exp(x)).astype(jnp.float32))  # exp: float32, kept there
+
+    x = jnp.linspace(-2.0, 2.0, 64, dtype=jnp.float32)
+
+    def tanh_dtypes(rules):
+        jaxpr = jax.make_jaxpr(jaxmp.autocast(f, F16, rules=rules))(x).jaxpr
+        return [e.outvars[0].aval.dtype for e, _, _ in census.walk(jaxpr)
+                if e.primitive.name == "tanh"]
+
+    # bounded (the default) narrows the kept operand; follow keeps it in float32.
+    assert tanh_dtypes(jaxmp.AutocastRules()) == [F16]
+    assert tanh_dtypes(jaxmp.AutocastRules(follow=jaxmp.autocast.FOLLOW | {"tanh"})) == [
+        jnp.float32]

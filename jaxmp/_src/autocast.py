@@ -95,16 +95,19 @@ def _describe(field: str, names: frozenset) -> str:
 class AutocastRules:
     """Which primitives :func:`jaxmp.autocast` runs in which precision.
 
-    Each field is a set of primitive names (``jax.make_jaxpr`` shows them);
-    the sets are checked in this order: ``low_precision`` (run in the compute
-    dtype), ``full_precision`` (run in float32), ``bounded`` (saturating
-    functions such as ``tanh``: like ``follow``, but an operand kept in
-    float32 is narrowed to the compute dtype first), ``follow`` (run in the
-    narrowest dtype of their operands), ``passthrough`` (each operand keeps
-    its dtype). A primitive in none of them runs as written. The defaults are
+    Each field is a set of primitive names (``jax.make_jaxpr`` shows them), one
+    kind of rule: ``low_precision`` (run in the compute dtype),
+    ``full_precision`` (run in float32), ``bounded`` (saturating functions
+    such as ``tanh``: like ``follow``, but an operand kept in float32 is
+    narrowed to the compute dtype first), ``follow`` (run in the narrowest
+    dtype of their operands), ``passthrough`` (each operand keeps its dtype).
+    A primitive in none of them runs as written. The defaults are
     ``jaxmp.autocast.LOW_PRECISION``, ``FULL_PRECISION``, ``BOUNDED``,
-    ``FOLLOW`` and ``PASSTHROUGH``. Its ``repr`` names only what differs from
-    them.
+    ``FOLLOW`` and ``PASSTHROUGH``, which share no name. A primitive belongs
+    to one kind (:meth:`kind`): a name added to a field takes it from the
+    default set it was in, when that field is left as it is, and a name in two
+    fields that were both given raises a ``ValueError``. Its ``repr`` names
+    only what differs from the defaults.
 
     Examples:
         >>> import jaxmp
@@ -131,6 +134,41 @@ class AutocastRules:
                     f"AutocastRules.{field} must be a collection of primitive names (strings), "
                     f"e.g. {{'exp', 'log'}}; got {names!r}.")
             object.__setattr__(self, field, frozenset(names))
+        object.__setattr__(self, "_kinds", self._kind_table())
+
+    def _kind_table(self) -> dict[str, str]:
+        """Primitive name -> the field that holds it. A name in a field the user set and in a
+        default set left as it is belongs to the user's; in two fields the user set, it is
+        an error (which should win is not for jaxmp to guess)."""
+        table: dict[str, str] = {}
+        for field in _RULE_FIELDS:
+            for name in getattr(self, field):
+                other = table.get(name)
+                if other is None:
+                    table[name] = field
+                    continue
+                mine, theirs = (getattr(self, f) != _DEFAULT_SETS[f] for f in (field, other))
+                if mine and theirs:
+                    raise ValueError(
+                        f"AutocastRules: {name!r} is in both {other} and {field}; a primitive "
+                        f"runs one way. Remove it from one of them, e.g. "
+                        f"{field}=jaxmp.autocast.{_SET_NAMES[field]} | {{...}} without "
+                        f"{name!r}, or {other}=... - {{{name!r}}}.")
+                if mine:
+                    table[name] = field
+        return table
+
+    def kind(self, primitive: str) -> str | None:
+        """The field that holds ``primitive`` (``"low_precision"``, ...), or ``None``.
+
+        Examples:
+            >>> import jaxmp
+            >>> jaxmp.AutocastRules().kind("dot_general")
+            'low_precision'
+            >>> jaxmp.AutocastRules(follow=jaxmp.autocast.FOLLOW | {"tanh"}).kind("tanh")
+            'follow'
+        """
+        return self._kinds.get(primitive)
 
     def __repr__(self) -> str:
         changed = [f"{f}={_describe(f, getattr(self, f))}" for f in _RULE_FIELDS
@@ -213,11 +251,11 @@ def _narrow_safe(closed, rules: "AutocastRules") -> frozenset:
             elif inner is not None and hasattr(getattr(inner, "jaxpr", inner), "eqns"):
                 inner = getattr(inner, "jaxpr", inner)
                 ins = walk(inner, outs_needed)
-            elif name in rules.full_precision:
+            elif rules.kind(name) == "full_precision":
                 ins = [True] * len(eqn.invars)
-            elif name in rules.low_precision or name in rules.bounded:
+            elif rules.kind(name) in ("low_precision", "bounded"):
                 ins = [False] * len(eqn.invars)  # they narrow their operands anyway
-            elif (name in rules.follow or name in rules.passthrough
+            elif (rules.kind(name) in ("follow", "passthrough")
                   or name == "convert_element_type"):
                 ins = [any(outs_needed)] * len(eqn.invars)
             else:
@@ -274,7 +312,7 @@ def _narrow_early(closed, rules: "AutocastRules") -> frozenset:
             if v not in memo:
                 uses = users.get(v, [])
                 memo[v] = bool(uses) and v not in outputs and all(
-                    e.primitive.name in rules.low_precision
+                    rules.kind(e.primitive.name) == "low_precision"
                     or (e.primitive.name in _MOVEMENT and all(map(only_narrowed, e.outvars)))
                     for e in uses)
             return memo[v]
@@ -499,94 +537,107 @@ class _Autocast(interpret.Interpreter):
             wide = np.dtype(new).itemsize >= 4
             return interpret.bind(eqn, [x]), [(k or _KEPT) if wide else _PLAIN]
 
-        if name in rules.low_precision:
-            if any(float8.is_float8_dtype(invals[i].dtype) for i in floats):
-                # A float8 product written in ``fn`` (or by an inner autocast): kept as it is.
-                return interpret.bind(eqn, invals), [_PLAIN] * nout
-            if self.matmul_dtype is not None and name in float8.FLOAT8_PRIMITIVES:
-                scope = "/".join(s for s in self._scopes if s)
-                if float8.placement(eqn, scope, rules.low_precision, self.float8_rules) is None:
-                    # Float8 operands scaled from their own amax, float32 accumulation.
-                    return [float8.scaled_product(eqn, invals, self.compute_dtype,
-                                                  self.matmul_dtype, self.float8_recipe)], [_PLAIN]
-            cast = list(invals)
-            for i in floats:
-                cast[i] = self.cast(cast[i], self.compute_dtype)
-            params = None
-            pref = compat.preferred_element_type(eqn)
-            if pref is not None and casting.is_float_dtype(pref):
-                params = compat.params_for_bind(eqn, preferred_element_type=self.compute_dtype)
-            return interpret.bind(eqn, cast, params), [_PLAIN] * nout
+        kind = rules.kind(name)
+        if kind != "low_precision" and name == "exp" and eqn.outvars[0] in self.shifted:
+            kind = "bounded"  # exp(x - max(x)) lies in [0, 1]: computed like a bounded function
+        return _RULES[kind](self, eqn, invals, kinds, floats, in_avals)
 
+    def _low_precision(self, eqn, invals, kinds, floats, in_avals):
+        """A matrix product or convolution: in the compute dtype, or scaled to float8."""
+        del kinds, in_avals
+        name, nout = eqn.primitive.name, len(eqn.outvars)
+        if any(float8.is_float8_dtype(invals[i].dtype) for i in floats):
+            # A float8 product written in ``fn`` (or by an inner autocast): kept as it is.
+            return interpret.bind(eqn, invals), [_PLAIN] * nout
+        if self.matmul_dtype is not None and name in float8.FLOAT8_PRIMITIVES:
+            scope = "/".join(s for s in self._scopes if s)
+            if float8.placement(eqn, scope, self.rules.low_precision, self.float8_rules) is None:
+                # Float8 operands scaled from their own amax, float32 accumulation.
+                return [float8.scaled_product(eqn, invals, self.compute_dtype,
+                                              self.matmul_dtype, self.float8_recipe)], [_PLAIN]
+        cast = list(invals)
+        for i in floats:
+            cast[i] = self.cast(cast[i], self.compute_dtype)
+        params = None
+        pref = compat.preferred_element_type(eqn)
+        if pref is not None and casting.is_float_dtype(pref):
+            params = compat.params_for_bind(eqn, preferred_element_type=self.compute_dtype)
+        return interpret.bind(eqn, cast, params), [_PLAIN] * nout
+
+    def _full_precision(self, eqn, invals, kinds, floats, in_avals):
+        """Run in (at least) float32; a reduction's result, or one of statistics, is a statistic."""
+        name = eqn.primitive.name
+        cast = list(invals)
+        for i in floats:
+            cast[i] = self.cast(cast[i], casting.wide_dtype(in_avals[i].dtype))
+        outs = interpret.bind(eqn, cast)
         float_kinds = [kinds[i] for i in floats]
-        # Scalars (literals, eps, counts) do not stop a result from being a statistic.
-        stat_like = all(k in (_STAT, _INV) or invals[i].size == 1
-                        for i, k in zip(floats, float_kinds))
-        any_stat = any(k in (_STAT, _INV) for k in float_kinds)
+        stat_like, any_stat = _statistics(invals, kinds, floats)
+        if name in _REDUCTIONS or (stat_like and any_stat):
+            inverse = name == "rsqrt" or (name == "integer_pow" and compat.integer_exponent(eqn) < 0)
+            flip = {_STAT: _INV, _INV: _STAT}
+            kind = float_kinds[0] if name not in _REDUCTIONS else _STAT
+            kind = flip.get(kind, _STAT) if inverse else (kind if kind in flip else _STAT)
+        else:
+            kind = _KEPT
+        return outs, [kind if casting.is_float_dtype(o.dtype) else _PLAIN for o in outs]
 
-        # exp(x - max(x)) lies in [0, 1]: computed like a bounded function.
-        shifted_exp = name == "exp" and eqn.outvars[0] in self.shifted
-        if name in rules.full_precision and not shifted_exp:
-            cast = list(invals)
-            for i in floats:
-                cast[i] = self.cast(cast[i], casting.wide_dtype(in_avals[i].dtype))
-            outs = interpret.bind(eqn, cast)
-            if name in _REDUCTIONS or (stat_like and any_stat):
-                inverse = name == "rsqrt" or (name == "integer_pow" and compat.integer_exponent(eqn) < 0)
-                flip = {_STAT: _INV, _INV: _STAT}
-                kind = float_kinds[0] if name not in _REDUCTIONS else _STAT
-                kind = flip.get(kind, _STAT) if inverse else (kind if kind in flip else _STAT)
-            else:
-                kind = _KEPT
-            return outs, [kind if casting.is_float_dtype(o.dtype) else _PLAIN for o in outs]
+    def _bounded(self, eqn, invals, kinds, floats, in_avals):
+        """Saturating: a kept operand is narrowed (no float32 digits needed)."""
+        del in_avals
+        dtypes = [np.dtype(invals[i].dtype) if not kinds[i] else self.compute_dtype
+                  for i in floats]
+        target = min(dtypes, key=lambda d: d.itemsize)
+        cast = list(invals)
+        for i in floats:
+            cast[i] = self.cast(cast[i], target)
+        return interpret.bind(eqn, cast), [_PLAIN] * len(eqn.outvars)
 
-        if name in rules.bounded or shifted_exp:
-            # Saturating: a kept operand is narrowed (no float32 digits needed).
-            dtypes = [np.dtype(invals[i].dtype) if not kinds[i] else self.compute_dtype
-                      for i in floats]
+    def _follow(self, eqn, invals, kinds, floats, in_avals):
+        """In the narrowest dtype of the operands; in float32 where one is kept there."""
+        del in_avals
+        dtypes = [np.dtype(invals[i].dtype) for i in floats]
+        kept = any(kinds[i] for i in floats)
+        if kept:
+            target = casting.wide_dtype(max(dtypes, key=lambda d: d.itemsize))
+        elif self.compute_dtype in dtypes:
+            target = self.compute_dtype
+        else:
             target = min(dtypes, key=lambda d: d.itemsize)
-            cast = list(invals)
-            for i in floats:
-                cast[i] = self.cast(cast[i], target)
-            return interpret.bind(eqn, cast), [_PLAIN] * nout
+        cast = list(invals)
+        for i in floats:
+            cast[i] = self.cast(cast[i], target)
+        outs = interpret.bind(eqn, cast)
+        if not kept:
+            return outs, [_PLAIN] * len(eqn.outvars)
+        kind = self._follow_kind(eqn.primitive.name, eqn, invals, kinds,
+                                 *_statistics(invals, kinds, floats))
+        if kind == _PLAIN and len(outs) == 1 and target != self.compute_dtype:
+            # A normalised value: narrowed once computed, unless needed wide downstream.
+            return [self.cast(outs[0], self.compute_dtype)], [_PLAIN]
+        return outs, [kind if casting.is_float_dtype(o.dtype) else _PLAIN for o in outs]
 
-        if name in rules.follow:
-            dtypes = [np.dtype(invals[i].dtype) for i in floats]
-            kept = any(float_kinds)
-            if kept:
-                target = casting.wide_dtype(max(dtypes, key=lambda d: d.itemsize))
-            elif self.compute_dtype in dtypes:
-                target = self.compute_dtype
-            else:
-                target = min(dtypes, key=lambda d: d.itemsize)
-            cast = list(invals)
-            for i in floats:
-                cast[i] = self.cast(cast[i], target)
-            outs = interpret.bind(eqn, cast)
-            if not kept:
-                return outs, [_PLAIN] * nout
-            kind = self._follow_kind(name, eqn, invals, kinds, stat_like, any_stat)
-            if kind == _PLAIN and len(outs) == 1 and target != self.compute_dtype:
-                # A normalised value: narrowed once computed, unless needed wide downstream.
-                return [self.cast(outs[0], self.compute_dtype)], [_PLAIN]
-            return outs, [kind if casting.is_float_dtype(o.dtype) else _PLAIN for o in outs]
+    def _passthrough(self, eqn, invals, kinds, floats, in_avals):
+        """Each operand keeps its dtype (and its kind, through a one-to-one operation)."""
+        del in_avals
+        nout = len(eqn.outvars)
+        if eqn.primitive.name in _MOVING and eqn.outvars[0] in self.narrow_early:
+            # Moved in the compute dtype: only products read it (``_narrow_early``).
+            invals = [self.cast(invals[i], self.compute_dtype)
+                      if i in floats and np.dtype(invals[i].dtype).itemsize
+                      > np.dtype(self.compute_dtype).itemsize else invals[i]
+                      for i in range(len(invals))]
+            return interpret.bind(eqn, invals), [_PLAIN] * nout
+        outs = interpret.bind(eqn, invals)
+        if len(outs) == len(invals):
+            return outs, list(kinds)
+        return outs, [_PLAIN] * nout
 
-        if name in rules.passthrough:
-            if name in _MOVING and eqn.outvars[0] in self.narrow_early:
-                # Moved in the compute dtype: only products read it (``_narrow_early``).
-                invals = [self.cast(invals[i], self.compute_dtype)
-                          if i in floats and np.dtype(invals[i].dtype).itemsize
-                          > np.dtype(self.compute_dtype).itemsize else invals[i]
-                          for i in range(len(invals))]
-                return interpret.bind(eqn, invals), [_PLAIN] * nout
-            outs = interpret.bind(eqn, invals)
-            if len(outs) == len(invals):
-                return outs, list(kinds)
-            return outs, [_PLAIN] * nout
-
-        # No rule: run exactly as written, in the original dtypes.
+    def _as_written(self, eqn, invals, kinds, floats, in_avals):
+        """No rule: run exactly as written, in the original dtypes."""
+        del kinds, floats
         return (interpret.bind(eqn, [_as_original(x, a) for x, a in zip(invals, in_avals)]),
-                [_PLAIN] * nout)
+                [_PLAIN] * len(eqn.outvars))
 
     def _follow_kind(self, name, eqn, invals, kinds, stat_like, any_stat):
         """The kind of the result of a ``follow`` operation with a kept operand.
@@ -606,6 +657,26 @@ class _Autocast(interpret.Interpreter):
                               or (b == _INV and a not in (_STAT, _INV))):
             return _PLAIN
         return _KEPT
+
+
+def _statistics(invals, kinds, floats) -> tuple[bool, bool]:
+    """``(stat_like, any_stat)``: whether the float operands are all statistics or scalars
+    (literals, eps, counts do not stop a result from being a statistic), and whether one is."""
+    float_kinds = [kinds[i] for i in floats]
+    stat_like = all(k in (_STAT, _INV) or invals[i].size == 1
+                    for i, k in zip(floats, float_kinds))
+    return stat_like, any(k in (_STAT, _INV) for k in float_kinds)
+
+
+# How each kind of AutocastRules runs an equation (a field's name; None: no rule).
+_RULES = {
+    "low_precision": _Autocast._low_precision,  # pylint: disable=protected-access
+    "full_precision": _Autocast._full_precision,  # pylint: disable=protected-access
+    "bounded": _Autocast._bounded,  # pylint: disable=protected-access
+    "follow": _Autocast._follow,  # pylint: disable=protected-access
+    "passthrough": _Autocast._passthrough,  # pylint: disable=protected-access
+    None: _Autocast._as_written,  # pylint: disable=protected-access
+}
 
 
 def _recompute_policy(low: frozenset) -> Callable:
@@ -1007,7 +1078,7 @@ def autocast(
 
     ``fn`` is written in float32 and is not changed. Every call traces it to a
     jaxpr and evaluates that jaxpr again with these rules (``rules``, a
-    :class:`jaxmp.AutocastRules` of primitive names, checked in this order):
+    :class:`jaxmp.AutocastRules` of primitive names, each in one kind):
 
     * ``low_precision`` (``dot_general``, ``conv_general_dilated``): operands
       in ``compute_dtype``, result in ``compute_dtype``;
