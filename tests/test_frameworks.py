@@ -17,9 +17,16 @@ from benchmarks import frameworks
 # Column by column, so that a process reuses the column's float32 run and compiled steps.
 CELLS = [(feature, framework)
          for framework in frameworks.FRAMEWORKS for feature in frameworks.FEATURES]
+# The default run: every feature once and every framework once (a diagonal through the matrix,
+# wrapping round); the whole matrix runs with the slow tests (-m slow).
+_WIDTH = max(len(frameworks.FEATURES), len(frameworks.FRAMEWORKS))
+COVER = {(frameworks.FEATURES[i % len(frameworks.FEATURES)],
+          frameworks.FRAMEWORKS[i % len(frameworks.FRAMEWORKS)]) for i in range(_WIDTH)}
 
 
-@pytest.mark.parametrize("feature,framework", CELLS, ids=[f"{f}-{fw}" for f, fw in CELLS])
+@pytest.mark.parametrize("feature,framework", [
+    pytest.param(f, fw, id=f"{f}-{fw}", marks=() if (f, fw) in COVER else pytest.mark.slow)
+    for f, fw in CELLS])
 def test_every_feature_on_every_framework(feature, framework):
     result = frameworks.run_cell(feature, framework)
     assert "error" not in result, f"{result['error']}\n{result['traceback']}"
@@ -64,6 +71,11 @@ def test_share_of_counts_only_the_requested_dtype():
     assert frameworks.share_of(totals, "float16") == 0.6
     assert frameworks.share_of(totals, "float8") == 0.2
     assert frameworks.share_of({}, "float16") == 0.0
+
+
+def test_the_default_run_covers_every_feature_and_every_framework():
+    assert {f for f, _ in COVER} == set(frameworks.FEATURES)
+    assert {fw for _, fw in COVER} == set(frameworks.FRAMEWORKS)
 
 
 def test_the_table_has_a_row_per_feature_and_a_column_per_framework():
