@@ -24,7 +24,7 @@ exactly the rounded parameters, bit for bit.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,19 @@ from jaxmp._src import sharding
 
 PyTree = Any
 
-ROUNDINGS = ("nearest", "stochastic", "kahan")
+class _Rounding(NamedTuple):
+    """How one ``param_rounding`` updates a half-precision parameter."""
+
+    keyed: bool  # draws random bits (a PRNG key in the state)
+    compensated: bool  # keeps what rounding lost (a Kahan buffer in the state)
+
+
+# The roundings of low_precision_optimizer, by name (the order of the docs).
+ROUNDINGS = {
+    "nearest": _Rounding(keyed=False, compensated=False),
+    "stochastic": _Rounding(keyed=True, compensated=False),
+    "kahan": _Rounding(keyed=False, compensated=True),
+}
 
 
 @struct.dataclass
@@ -245,19 +257,19 @@ def _exact_update(p: jax.Array, rounded: jax.Array) -> tuple[jax.Array, jax.Arra
     return d, (p32 + d).astype(p.dtype)
 
 
-def _half_update(rounding: str, p, u, c, bits):
+def _half_update(rounding: _Rounding, p, u, c, bits):
     """New (update, compensation) for a half-precision parameter ``p`` and float32 update ``u``."""
     p32 = p.astype(jnp.float32)
-    if rounding == "kahan":
+    if rounding.compensated:
         target = p32 + (u + c.astype(jnp.float32))
     else:
         target = p32 + u
-    if rounding == "stochastic":
+    if rounding.keyed:
         rounded = stochastic_round(target, p.dtype, bits)
     else:
         rounded = target.astype(p.dtype)
     d, new = _exact_update(p, rounded)
-    if rounding == "kahan":
+    if rounding.compensated:
         # What rounding lost, exact in float32 (a float32 minus a nearby half value).
         lost = jnp.where(jnp.isfinite(target), target - new.astype(jnp.float32), jnp.float32(0))
         return d, lost.astype(c.dtype)
@@ -377,15 +389,16 @@ def low_precision_optimizer(
         raise TypeError(f"seed must be an integer, got {seed!r}.")
     seed = int(seed)
     inner = optax.with_extra_args_support(inner)
+    rounding = ROUNDINGS[param_rounding]
 
     def init(params):
         _check_params(params)
         inner_state = _narrow(inner.init(casting.widen_half(params)), state_dtype)
         key = None
-        if param_rounding == "stochastic":
+        if rounding.keyed:
             key = jax.random.key_data(jax.random.key(seed))
         compensation = None
-        if param_rounding == "kahan":
+        if rounding.compensated:
             compensation = jax.tree_util.tree_map(
                 lambda p: jnp.zeros_like(p) if _is_half(p) else None, params)
         return LowPrecisionState(inner_state, key, compensation)
@@ -398,7 +411,7 @@ def low_precision_optimizer(
         _check_params(params)
         compensation = state.compensation
         wide_params = casting.widen_half(params)
-        if param_rounding == "kahan":
+        if rounding.compensated:
             _check_compensation(params, compensation)
             # The optimizer sees the compensated parameters (weight decay, etc.).
             wide_params = jax.tree_util.tree_map(
@@ -411,7 +424,7 @@ def low_precision_optimizer(
         inner_state = _narrow(inner_state, state_dtype)
 
         key, step_key = state.key, None
-        if param_rounding == "stochastic":
+        if rounding.keyed:
             key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
             key, step_key = jax.random.key_data(key), jax.random.key_data(step_key)
 
@@ -427,14 +440,12 @@ def low_precision_optimizer(
                 new_u.append(u)
                 new_c.append(c)
                 continue
-            bits = None
-            if param_rounding == "stochastic":
-                bits = _random_bits(step_key, number, p)
-            d, c = _half_update(param_rounding, p, u.astype(jnp.float32), c, bits)
+            bits = _random_bits(step_key, number, p) if rounding.keyed else None
+            d, c = _half_update(rounding, p, u.astype(jnp.float32), c, bits)
             new_u.append(d)
             new_c.append(c)
         out_updates = jax.tree_util.tree_unflatten(treedef, new_u)
-        if param_rounding == "kahan":
+        if rounding.compensated:
             compensation = jax.tree_util.tree_unflatten(treedef, new_c)
         return out_updates, LowPrecisionState(inner_state, key, compensation)
 
