@@ -730,77 +730,119 @@ def _stats(in_h: list, in_s: list, h: np.ndarray, s: np.ndarray) -> tuple:
             float(nonzero_s.min()) if nonzero_s.size else 0.0, in_max)
 
 
+class _Case(NamedTuple):
+    """What a hint is written from: one finding and the diagnosis's settings."""
+
+    site: _Site
+    phase: str
+    kind: str
+    stats: dict
+    scale: float
+    half: np.dtype
+    autocast: bool
+
+    @property
+    def half_max(self) -> float:
+        return float(jnp.finfo(self.half).max)
+
+    @property
+    def float32(self) -> str:
+        """The general fix: this code in float32."""
+        if self.autocast:
+            return ("run this code in float32 (jaxmp.force_full_precision around it, or "
+                    "autocast's full_precision rules), or compute_dtype=jnp.bfloat16")
+        return ("run this code in float32: mp_value_and_grad(..., autocast=True), "
+                "jaxmp.force_full_precision around it, or compute_dtype=jnp.bfloat16")
+
+    @property
+    def unscaled(self) -> float:
+        """The largest magnitude at a loss scale of 1 (operations on cotangents are linear)."""
+        return max(self.stats["float32_max"], self.stats["input_max"]) / self.scale
+
+
+def _argument_hint(c: _Case) -> str:
+    half, site = c.half, c.site
+    tiny = float(jnp.finfo(half).smallest_subnormal)
+    how = (f"when autocast narrows it to {half.name} for a matrix product" if c.autocast
+           else f"when the inputs are cast to {half.name}")
+    if c.kind == "underflow":
+        what = (f"values of {site.where} below {half.name}'s smallest ({tiny:.3g}) become "
+                f"zero {how}")
+    else:
+        what = f"values of {site.where} beyond {half.name}'s {c.half_max:g} become inf {how}"
+    if c.autocast:
+        fix = ("rescale it (its initialisation, or a factor applied after the product), "
+               "keep its product in float32 with jaxmp.force_full_precision, or "
+               "compute_dtype=jnp.bfloat16 (float32's range)")
+    else:
+        fix = ("autocast=True (the default), which narrows an argument only where it "
+               "enters a matrix product; no_cast_argnums= for an argument that is not "
+               "differentiated; rescale it; or compute_dtype=jnp.bfloat16")
+    return f"{what}: {fix}"
+
+
+def _conversion_hint(c: _Case) -> str:
+    site, half = c.site, c.half
+    value = f"a float32 value (from {site.producer})" if site.producer else "a float32 value"
+    into = f" for this {site.feeds}" if site.feeds else ""
+    if c.kind == "underflow":
+        what = f"{value} below {half.name}'s range becomes zero when autocast narrows it{into}"
+    else:
+        what = (f"{value} does not fit in {half.name} ({c.half_max:g}) when autocast narrows "
+                f"it{into}")
+    return (f"{what}: keep this operation in float32 (jaxmp.force_full_precision around "
+            "it, or autocast's rules), scale the value down before it, or "
+            "compute_dtype=jnp.bfloat16")
+
+
+def _forward(c: _Case) -> bool:
+    return c.phase == "forward"
+
+
+# The hints of find_nonfinite's findings: the first row whose test holds writes the hint.
+_HINTS: tuple[tuple[Callable[[_Case], bool], Callable[[_Case], str]], ...] = (
+    (lambda c: c.kind == "float32 too",
+     lambda c: ("float32 overflows here as well (e.g. log(0), x/0, a diverging model): "
+                "not a precision problem; fix the computation or the inputs")),
+    (lambda c: c.site.added == "argument", _argument_hint),
+    (lambda c: c.site.added == "conversion" and _forward(c), _conversion_hint),
+    (lambda c: c.kind == "underflow" and c.phase == "backward",
+     lambda c: (f"gradients below {c.half.name}'s smallest value flush to zero: a larger "
+                "loss scale (the dynamic scaler grows it after growth_interval finite "
+                "steps), or float32 for this code")),
+    (lambda c: c.kind == "underflow",
+     lambda c: f"values below {c.half.name}'s range flush to zero: {c.float32}"),
+    (lambda c: _forward(c) and c.site.primitive == "convert_element_type",
+     lambda c: (f"a value computed in float32 (a sum, a variance, a mean...) does not fit "
+                f"in {c.half.name} ({c.half_max:g}) when cast back: {c.float32}")),
+    (lambda c: _forward(c) and c.site.primitive in _SUMS,
+     lambda c: f"a sum or product that outgrows {c.half.name} ({c.half_max:g}): {c.float32}"),
+    (lambda c: _forward(c) and c.site.primitive in _EXPS,
+     lambda c: f"an exponential or power that outgrows {c.half.name}: {c.float32}"),
+    (_forward,
+     lambda c: f"the result outgrows {c.half.name} ({c.half_max:g}): {c.float32}"),
+    (lambda c: not c.site.transpose,
+     lambda c: ("computed by " + (
+         "the derivative rule of a 1/x-like function (rsqrt, sqrt, division, log, pow "
+         "of a small value; e.g. rsqrt(var)/var in a normalisation)"
+         if c.site.primitive in _SINGULAR else "a derivative rule's own arithmetic")
+         + ", before any cotangent: it does not depend on the loss scale, so no scale "
+         f"fixes it. Fix: {c.float32}")),
+    (lambda c: c.unscaled < c.half_max,
+     lambda c: (f"a cotangent scaled by {c.scale:g} outgrows {c.half.name}; at scale 1 it "
+                f"would be {c.unscaled:.3g}: a smaller loss scale avoids it (the dynamic "
+                "scaler backs off by itself), or keep this code in float32")),
+    (lambda c: True,
+     lambda c: (f"even unscaled the cotangent reaches {c.unscaled:.3g} > {c.half_max:g}: no "
+                f"loss scale fixes it. Fix: {c.float32}")),
+)
+
+
 def _hint(site: _Site, phase: str, kind: str, stats: dict, scale: float, half: np.dtype,
           autocast: bool) -> str:
-    half_max = float(jnp.finfo(half).max)
-    prim = site.primitive
-    if autocast:
-        float32 = ("run this code in float32 (jaxmp.force_full_precision around it, or "
-                   "autocast's full_precision rules), or compute_dtype=jnp.bfloat16")
-    else:
-        float32 = ("run this code in float32: mp_value_and_grad(..., autocast=True), "
-                   "jaxmp.force_full_precision around it, or compute_dtype=jnp.bfloat16")
-    if kind == "float32 too":
-        return ("float32 overflows here as well (e.g. log(0), x/0, a diverging model): "
-                "not a precision problem; fix the computation or the inputs")
-    if site.added == "argument":
-        tiny = float(jnp.finfo(half).smallest_subnormal)
-        how = (f"when autocast narrows it to {half.name} for a matrix product" if autocast
-               else f"when the inputs are cast to {half.name}")
-        if kind == "underflow":
-            what = (f"values of {site.where} below {half.name}'s smallest ({tiny:.3g}) become "
-                    f"zero {how}")
-        else:
-            what = f"values of {site.where} beyond {half.name}'s {half_max:g} become inf {how}"
-        if autocast:
-            fix = ("rescale it (its initialisation, or a factor applied after the product), "
-                   "keep its product in float32 with jaxmp.force_full_precision, or "
-                   "compute_dtype=jnp.bfloat16 (float32's range)")
-        else:
-            fix = ("autocast=True (the default), which narrows an argument only where it "
-                   "enters a matrix product; no_cast_argnums= for an argument that is not "
-                   "differentiated; rescale it; or compute_dtype=jnp.bfloat16")
-        return f"{what}: {fix}"
-    if site.added == "conversion" and phase == "forward":
-        value = f"a float32 value (from {site.producer})" if site.producer else "a float32 value"
-        into = f" for this {site.feeds}" if site.feeds else ""
-        if kind == "underflow":
-            what = f"{value} below {half.name}'s range becomes zero when autocast narrows it{into}"
-        else:
-            what = (f"{value} does not fit in {half.name} ({half_max:g}) when autocast narrows "
-                    f"it{into}")
-        return (f"{what}: keep this operation in float32 (jaxmp.force_full_precision around "
-                "it, or autocast's rules), scale the value down before it, or "
-                "compute_dtype=jnp.bfloat16")
-    if kind == "underflow":
-        if phase == "backward":
-            return (f"gradients below {half.name}'s smallest value flush to zero: a larger "
-                    "loss scale (the dynamic scaler grows it after growth_interval finite "
-                    "steps), or float32 for this code")
-        return f"values below {half.name}'s range flush to zero: {float32}"
-    if phase == "forward":
-        if prim == "convert_element_type":
-            return (f"a value computed in float32 (a sum, a variance, a mean...) does not fit "
-                    f"in {half.name} ({half_max:g}) when cast back: {float32}")
-        if prim in _SUMS:
-            return f"a sum or product that outgrows {half.name} ({half_max:g}): {float32}"
-        if prim in _EXPS:
-            return f"an exponential or power that outgrows {half.name}: {float32}"
-        return f"the result outgrows {half.name} ({half_max:g}): {float32}"
-    if not site.transpose:
-        what = ("the derivative rule of a 1/x-like function (rsqrt, sqrt, division, log, pow "
-                "of a small value; e.g. rsqrt(var)/var in a normalisation)"
-                if prim in _SINGULAR else "a derivative rule's own arithmetic")
-        return (f"computed by {what}, before any cotangent: it does not depend on the loss "
-                f"scale, so no scale fixes it. Fix: {float32}")
-    # Operations on cotangents are linear in them: at scale 1 everything is 1/scale as large.
-    unscaled = max(stats["float32_max"], stats["input_max"]) / scale
-    if unscaled < half_max:
-        return (f"a cotangent scaled by {scale:g} outgrows {half.name}; at scale 1 it would be "
-                f"{unscaled:.3g}: a smaller loss scale avoids it (the dynamic scaler backs off "
-                "by itself), or keep this code in float32")
-    return (f"even unscaled the cotangent reaches {unscaled:.3g} > {half_max:g}: no loss scale "
-            f"fixes it. Fix: {float32}")
+    """The hint of one finding: the first row of ``_HINTS`` that applies."""
+    case = _Case(site, phase, kind, stats, scale, half, autocast)
+    return next(text(case) for applies, text in _HINTS if applies(case))
 
 
 def _parameter_names(fn: Callable) -> list[str]:
