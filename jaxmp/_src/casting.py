@@ -91,9 +91,9 @@ def is_float_array(x: Any) -> bool:
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> import jaxmp
-        >>> jaxmp.is_float_array(jnp.ones(2)), jaxmp.is_float_array(jnp.arange(2))
+        >>> jaxmp.debug.is_float_array(jnp.ones(2)), jaxmp.debug.is_float_array(jnp.arange(2))
         (True, False)
-        >>> jaxmp.is_float_array(jax.random.key(0)), jaxmp.is_float_array(1.0)
+        >>> jaxmp.debug.is_float_array(jax.random.key(0)), jaxmp.debug.is_float_array(1.0)
         (False, False)
     """
     return is_array(x) and is_float_dtype(x.dtype)
