@@ -378,7 +378,8 @@ def test_linen_train_state_created_on_float32_parameters():
     state = train_state.TrainState.create(apply_fn=model.apply, params=params32, tx=tx)
     state = state.replace(params=params16)
     grads = jax.tree_util.tree_map(jnp.ones_like, params16)
-    with pytest.raises(ValueError, match=r"TrainState.create\(.*params=jaxmp.cast_tree\(params, jnp.bfloat16\)"):
+    with pytest.raises(ValueError,
+                       match=r"TrainState.create\(.*params=jaxmp.cast_tree\(params, jnp.bfloat16\)"):
         jaxmp.optimizer_update(state.params, state.tx, state.opt_state, grads, jnp.asarray(True))
 
 

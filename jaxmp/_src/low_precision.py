@@ -457,8 +457,9 @@ def _check_compensation(params: PyTree, compensation: PyTree) -> None:
                 f"{getattr(p, 'dtype', p)}{list(np.shape(p))}, and init made {buffer} for it "
                 "(init saw it in another dtype or shape, e.g. float32 parameters cast to "
                 "bfloat16 after init). Call init on the parameters in the dtypes they are "
-                "trained in: tx.init(jaxmp.cast_tree(params, jnp.bfloat16)); with flax's TrainState, "
-                "TrainState.create(apply_fn=..., params=jaxmp.cast_tree(params, jnp.bfloat16), tx=tx).")
+                "trained in: tx.init(jaxmp.cast_tree(params, jnp.bfloat16)); with flax's "
+                "TrainState, TrainState.create(apply_fn=..., "
+                "params=jaxmp.cast_tree(params, jnp.bfloat16), tx=tx).")
         return None
 
     try:

@@ -77,9 +77,9 @@ def _changed_leaf_message(path: Any, new: jax.Array, old: jax.Array) -> str:
         message += (
             f" Make both {old.dtype}: create the old value in the dtype the step returns "
             "(initialise framework state, e.g. Haiku's or Flax's batch statistics, from a "
-            "float32 batch or cast it with jaxmp.cast_tree(state, jnp.float32); initialise the optimizer on "
-            "the parameters in the dtype they are trained in), or cast the new value back "
-            "with jax.tree.map(lambda n, o: n.astype(o.dtype), new, old).")
+            "float32 batch or cast it with jaxmp.cast_tree(state, jnp.float32); initialise the "
+            "optimizer on the parameters in the dtype they are trained in), or cast the new value "
+            "back with jax.tree.map(lambda n, o: n.astype(o.dtype), new, old).")
     return message
 
 
@@ -298,8 +298,8 @@ def warn_if_half_master_weights(diff: PyTree, state: loss_scale.ScalerState,
         "float32: mp_value_and_grad casts them to the compute dtype for the forward and "
         "backward pass, and the optimizer then updates float32 values (in half precision, "
         "small updates round away and Adam's moments overflow). Cast them with "
-        "jaxmp.cast_tree(params, jnp.float32) before optimizer.init; with Haiku, set policies after init or "
-        "use params=float32 (jaxmp.get_policy('p=f32,c=f16,o=f32')).",
+        "jaxmp.cast_tree(params, jnp.float32) before optimizer.init; with Haiku, set policies "
+        "after init or use params=float32 (jaxmp.get_policy('p=f32,c=f16,o=f32')).",
         UserWarning,
         stacklevel=3,
     )
