@@ -7,7 +7,7 @@ each variant,
 * ``bfloat16``: ``mp_value_and_grad(loss, compute_dtype=jnp.bfloat16, autocast=True)``,
 * ``float8``: the same with ``matmul_dtype=jnp.float8_e4m3fn``,
 * ``float8_head_bf16``: float8 but for the output projection, kept in
-  bfloat16 by a ``jaxmp.Float8Rules`` (the loss under ``jaxmp.autocast(...,
+  bfloat16 by a ``jaxmp.experimental.Float8Rules`` (the loss under ``jaxmp.autocast(...,
   float8_rules=)`` given to ``mp_value_and_grad(..., autocast=True)``),
 * ``mxfp8``: ``float8`` with ``float8_scaling="mxfp8"`` (one power-of-two
   scale per block of 32 elements along each product's contracting
@@ -17,16 +17,16 @@ it records, for the whole training step (gradient + ``jaxmp.optimizer_update``
 with Adam):
 
 * the share of matmul FLOPs in float8 and in low precision (bfloat16 or
-  float8) in the program lowered for CUDA (``jaxmp.matmul_flops``; nothing
+  float8) in the program lowered for CUDA (``jaxmp.debug.matmul_flops``; nothing
   runs, no GPU needed), for the forward pass (the loss alone) and for the
   backward pass (the step less the forward pass);
-* ``jaxmp.saved_activation_bytes`` of the autocast loss;
+* ``jaxmp.debug.saved_activation_bytes`` of the autocast loss;
 * XLA's memory estimate of the step compiled for the backend at hand;
 * the step time on the backend at hand (median over interleaved rounds). On a
   CPU float8 is emulated: the ratio says nothing about a GPU.
 
 The products of ``mxfp8`` are cuDNN's block-scaled dot in the CUDA program
-(a custom call, which ``jaxmp.matmul_flops`` counts by its float8 operands,
+(a custom call, which ``jaxmp.debug.matmul_flops`` counts by its float8 operands,
 padding to whole blocks included).
 
 It also measures, without training, the relative error of each row of one
@@ -91,8 +91,8 @@ def float8_options(model: Model, variant: str) -> tuple[Any, Any]:
         return None, None
     if variant in ("float8", "mxfp8"):
         return E4M3, None
-    head = jaxmp.Float8Rules(keep_if=lambda p: p.rhs_shape[-1] == model.outputs
-                             and len(p.rhs_shape) == 2)
+    head = jaxmp.experimental.Float8Rules(keep_if=lambda p: p.rhs_shape[-1] == model.outputs
+                                          and len(p.rhs_shape) == 2)
     return E4M3, head
 
 
@@ -185,8 +185,8 @@ def static_figures(model: Model, variant: str) -> tuple[dict, Any, Any]:
     init, step = make_step(model, variant)
     state = init(model.params)
     platform = "cuda"  # mxfp8's products: cuDNN's block-scaled dot, counted by matmul_flops
-    flops = jaxmp.matmul_flops(step, state, *model.batch, platform=platform)
-    fwd = share_totals(jaxmp.matmul_flops(loss, model.params, *model.batch, platform=platform))
+    flops = jaxmp.debug.matmul_flops(step, state, *model.batch, platform=platform)
+    fwd = share_totals(jaxmp.debug.matmul_flops(loss, model.params, *model.batch, platform=platform))
     both = share_totals(flops)
     bwd = {k: both[k] - fwd[k] for k in fwd}
     row = {
@@ -196,7 +196,7 @@ def static_figures(model: Model, variant: str) -> tuple[dict, Any, Any]:
         "float8_share_backward": bwd["float8"] / bwd["total"] if bwd["total"] else 0.0,
         "float8_share_step": both["float8"] / both["total"],
         "low_precision_share_step": both["low"] / both["total"],
-        "saved_activation_bytes": jaxmp.saved_activation_bytes(loss, model.params, *model.batch),
+        "saved_activation_bytes": jaxmp.debug.saved_activation_bytes(loss, model.params, *model.batch),
     }
     compiled = jax.jit(step, donate_argnums=0).lower(state, *model.batch).compile()
     row.update(vit_bench.xla_memory(compiled))

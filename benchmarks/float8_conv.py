@@ -19,7 +19,7 @@ records for the whole training step (gradient + ``jaxmp.optimizer_update``
 with Adam):
 
 * the share of matrix + convolution FLOPs with float8 operands (and with
-  low-precision ones) in the program lowered for CUDA (``jaxmp.matmul_flops``;
+  low-precision ones) in the program lowered for CUDA (``jaxmp.debug.matmul_flops``;
   nothing runs), for the forward pass (the loss alone), the backward pass
   (the step less the forward pass) and the whole step;
 
@@ -231,8 +231,8 @@ def flop_shares(net: Net, variant: str, images, labels) -> dict[str, Any]:
     else:
         matmul_dtype = jnp.float8_e4m3fn if variant == "float8" else None
         loss = jaxmp.autocast(net.loss, jnp.bfloat16, matmul_dtype=matmul_dtype)
-    fwd = share_totals(jaxmp.matmul_flops(loss, net.params, net.state, images, labels))
-    flops = jaxmp.matmul_flops(step, init(net.params, net.state), images, labels)
+    fwd = share_totals(jaxmp.debug.matmul_flops(loss, net.params, net.state, images, labels))
+    flops = jaxmp.debug.matmul_flops(step, init(net.params, net.state), images, labels)
     both = share_totals(flops)
     bwd = {k: both[k] - fwd[k] for k in fwd}
     share = lambda part, key: part[key] / part["total"] if part["total"] else 0.0

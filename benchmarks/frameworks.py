@@ -5,7 +5,7 @@ training step (issue 24, part 6):
 
 * features: ``float16`` and ``bfloat16`` (``mp_value_and_grad``'s default, dynamic loss
   scaling for float16), half-byte optimizer state with ``stochastic`` or ``kahan`` rounding
-  (``jaxmp.low_precision_optimizer``, bfloat16 parameters and state, as
+  (``jaxmp.experimental.low_precision_optimizer``, bfloat16 parameters and state, as
   ``docs/low_precision.md`` writes it), ``float8`` (``matmul_dtype=jnp.float8_e4m3fn``,
   bfloat16 compute), ``find_nonfinite`` (finds an overflow injected into the first product
   and names its line) and ``flop_share`` (``half_matmul_flop_share`` and
@@ -23,7 +23,7 @@ run of the same code (``use_mixed_precision=False``, plain Adam) and measures
 
 * ``share``: the share of the matrix-product and convolution FLOPs of the whole training step
   (forward, backward and update) whose operands are in the requested dtype (``float16``,
-  ``bfloat16``, or float8 for ``float8``), counted by ``jaxmp.matmul_flops`` in the program
+  ``bfloat16``, or float8 for ``float8``), counted by ``jaxmp.debug.matmul_flops`` in the program
   lowered for a GPU (nothing runs; the step's outputs are reduced to their arrays, so that
   the count does not depend on what the FLOP tools accept, which ``flop_share`` checks);
 * ``gap``: the relative gap between the last step's loss and the float32 run's;
@@ -122,7 +122,7 @@ def _expected_warning(feature: str, framework: str, warning) -> bool:
     """Whether a jaxmp warning is the one a cell must give: a float8 conv net's step says
     that its kernel gradients run in bfloat16."""
     return (feature in ("float8", "flop_share") and framework in CONV_NETS
-            and warning.category is jaxmp.Float8ShortfallWarning
+            and warning.category is jaxmp.experimental.Float8ShortfallWarning
             and CONV_BACKWARD_WARNING in str(warning.message))
 
 
@@ -219,8 +219,8 @@ def _optimizer(variant: Variant, every_k: int | None = None):
     if every_k is not None:
         tx = optax.MultiSteps(tx, every_k_schedule=every_k)
     if variant.rounding is not None:
-        tx = jaxmp.low_precision_optimizer(tx, state_dtype=jnp.bfloat16,
-                                           param_rounding=variant.rounding, seed=0)
+        tx = jaxmp.experimental.low_precision_optimizer(tx, state_dtype=jnp.bfloat16,
+                                                        param_rounding=variant.rounding, seed=0)
     return tx
 
 
@@ -230,7 +230,7 @@ def _scaler(variant: Variant):
 
 def _narrow(tree, variant: Variant):
     """Half-byte state: parameters (and the batch) in bfloat16, as docs/low_precision.md does."""
-    return jaxmp.cast_to_bfloat16(tree) if variant.rounding is not None else tree
+    return jaxmp.cast_tree(tree, jnp.bfloat16) if variant.rounding is not None else tree
 
 
 def _cross_entropy(logits, labels):
@@ -656,10 +656,10 @@ def _arrays_out(step):
 
 @functools.lru_cache(maxsize=None)
 def step_flops(framework: str, variant: str) -> dict[str, int]:
-    """``jaxmp.matmul_flops`` of the whole step (outputs reduced to arrays), by dtype."""
+    """``jaxmp.debug.matmul_flops`` of the whole step (outputs reduced to arrays), by dtype."""
     s = setup(framework, variant)
     with jax.numpy_dtype_promotion("standard"):
-        return jaxmp.matmul_flops(_arrays_out(s.step), s.state, s.batches[0])
+        return jaxmp.debug.matmul_flops(_arrays_out(s.step), s.state, s.batches[0])
 
 
 def share_of(totals: dict[str, int], dtype: str) -> float:
@@ -725,7 +725,7 @@ def _train_cell(feature: str, framework: str, result: dict) -> list[str]:
 
 def _nonfinite_cell(framework: str, result: dict) -> list[str]:
     s = setup(framework, "float16")
-    find = jaxmp.find_nonfinite(s.loss_fn, jnp.float16, **s.grad_options)
+    find = jaxmp.debug.find_nonfinite(s.loss_fn, jnp.float16, **s.grad_options)
     scaler = jaxmp.init_scaler()
     with jax.numpy_dtype_promotion("standard"):
         report = find(*s.loss_args(*s.inject(s.state, s.batches[0])), scaler_state=scaler)
@@ -755,8 +755,8 @@ def _flop_share_cell(framework: str, result: dict) -> list[str]:
     """
     half, eight = setup(framework, "float16"), setup(framework, "float8")
     with jax.numpy_dtype_promotion("standard"):
-        result["share"] = jaxmp.half_matmul_flop_share(half.step, half.state, half.batches[0])
-        result["float8_share"] = jaxmp.float8_matmul_flop_share(
+        result["share"] = jaxmp.debug.half_matmul_flop_share(half.step, half.state, half.batches[0])
+        result["float8_share"] = jaxmp.debug.float8_matmul_flop_share(
             eight.step, eight.state, eight.batches[0])
     failures = []
     for tool, measured, counted in (

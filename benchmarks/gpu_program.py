@@ -19,7 +19,7 @@ donated):
 * ``mxfp8_jaxmp``: the same with ``float8_scaling="mxfp8"``,
 
 it compiles the step for each target (``h100``: sm_90, ``b200``: sm_100) with
-:func:`jaxmp.gpu_program` (JAX's CUDA plugin, no GPU; XLA's default settings,
+:func:`jaxmp.debug.gpu_program` (JAX's CUDA plugin, no GPU; XLA's default settings,
 no autotuning) and prints and saves the census of the optimized program: how
 every matrix product and convolution is compiled and on which operand types,
 the float8-native share of product FLOPs, kernels launched, bytes written and
@@ -138,15 +138,15 @@ def model(name: str, quick: bool = False, depth: int | None = None):
 
 
 def compile_step(model_name: str, variant: str, target: str, quick: bool = False,
-                 depth: int | None = None) -> jaxmp.GpuProgram:
-    """The :class:`jaxmp.GpuProgram` of one training step (nothing is allocated)."""
+                 depth: int | None = None) -> jaxmp.debug.GpuProgram:
+    """The :class:`jaxmp.debug.GpuProgram` of one training step (nothing is allocated)."""
     loss, init_params, batch, _ = model(model_name, quick, depth)
     init, step = make_step(loss, variant)
     state = jax.eval_shape(lambda: init(init_params(jax.random.key(0))))
-    return jaxmp.gpu_program(jax.jit(step, donate_argnums=0), state, *batch, target=target)
+    return jaxmp.debug.gpu_program(jax.jit(step, donate_argnums=0), state, *batch, target=target)
 
 
-def how_compiled(program: jaxmp.GpuProgram) -> str:
+def how_compiled(program: jaxmp.debug.GpuProgram) -> str:
     """The products in a few words: ``39 bf16 GEMMs``, ``20 fp8 cuDNN convs, 12 f32...``."""
     groups: dict[str, int] = {}
     for p in program.products:
@@ -164,7 +164,7 @@ def how_compiled(program: jaxmp.GpuProgram) -> str:
     return ", ".join(f"{n} {k}" for k, n in sorted(groups.items(), key=lambda kv: -kv[1]))
 
 
-def row(model_name: str, variant: str, target: str, program: jaxmp.GpuProgram,
+def row(model_name: str, variant: str, target: str, program: jaxmp.debug.GpuProgram,
         seconds: float) -> dict[str, Any]:
     """One result: the census and how long compiling took."""
     return {"model": model_name, "variant": variant, "target": target,
@@ -236,7 +236,7 @@ def calibrate(hlo_dir: str, measured_file: str, target: str = "h100") -> list[di
         if m.get("step_ms_median") is None or not os.path.exists(path):
             continue
         with open(path) as f:
-            program = jaxmp.GpuProgram.from_hlo(f.read(), target)
+            program = jaxmp.debug.GpuProgram.from_hlo(f.read(), target)
         estimate = 1e3 * program.estimated_seconds
         rows.append({"model": m["model"], "variant": m["variant"],
                      "measured_ms": m["step_ms_median"], "estimated_ms": round(estimate, 2),

@@ -8,7 +8,7 @@ Trains two models with the same data, initialisation and optimizer, in five ways
   (bfloat16 state and bfloat16 arithmetic): what people do today, and the
   plain bfloat16 update the others are timed against;
 * ``nearest``, ``stochastic``, ``kahan``: bfloat16 parameters with
-  ``jaxmp.low_precision_optimizer(inner, state_dtype=jnp.bfloat16,
+  ``jaxmp.experimental.low_precision_optimizer(inner, state_dtype=jnp.bfloat16,
   param_rounding=...)``.
 
 Models: the character-level transformer language model of
@@ -137,11 +137,11 @@ def optimizer_for(variant: str, task: Task) -> tuple[Any, optax.GradientTransfor
     """Initial parameters and optimizer of a variant."""
     if variant == "float32":  # a copy: the steps donate their state
         return jax.tree_util.tree_map(jnp.copy, task.params), task.inner()
-    params = jaxmp.cast_to_bfloat16(task.params)
+    params = jaxmp.cast_tree(task.params, jnp.bfloat16)
     if variant == "bf16_optax":
         return params, task.inner()
-    return params, jaxmp.low_precision_optimizer(task.inner(), state_dtype=jnp.bfloat16,
-                                                 param_rounding=variant, seed=0)
+    return params, jaxmp.experimental.low_precision_optimizer(task.inner(), state_dtype=jnp.bfloat16,
+                                                              param_rounding=variant, seed=0)
 
 
 def is_per_param(x) -> bool:
@@ -194,7 +194,7 @@ def run_variant(task: Task, variant: str) -> dict[str, Any]:
     losses = np.asarray(jax.device_get(losses), np.float64)
     row["train_loss_last20"] = float(losses[-20:].mean())
     evaluate = jax.jit(task.loss)
-    final = jaxmp.cast_to_float32(state[0])
+    final = jaxmp.cast_tree(state[0], jnp.float32)
     row["final_loss"] = float(np.mean([float(evaluate(final, x, y)) for x, y in task.held_out]))
     row["finite"] = bool(np.all(np.isfinite(losses)))
     return row

@@ -1,4 +1,4 @@
-"""What a diagnosis costs: ``jaxmp.find_nonfinite`` on a ResNet18-sized Flax model.
+"""What a diagnosis costs: ``jaxmp.debug.find_nonfinite`` on a ResNet18-sized Flax model.
 
 Times, on random 32x32x3 images (nothing is downloaded):
 
@@ -123,19 +123,19 @@ def run(filters: int, batch: int, devices: int, repeats: int, modes) -> dict:
     loss_fn, params, images, labels = _setup(filters, batch, None)
     results["step_s"] = plain_step_seconds(loss_fn, params, images, labels, repeats)
     if "default" in modes:
-        seconds, report = _timed(lambda: jaxmp.find_nonfinite(loss_fn,
-                                                              compute_dtype=jnp.float16)(
-                                                                  params, images, labels))
+        seconds, report = _timed(lambda: jaxmp.debug.find_nonfinite(loss_fn,
+                                                                    compute_dtype=jnp.float16)(
+                                                                        params, images, labels))
         results["default_s"], results["default_findings"] = seconds, len(report)
     loss_fn, params, images, labels = _setup(filters, batch, "batch")
     if "vmap" in modes:
-        find = jaxmp.find_nonfinite(loss_fn, axis_name="batch", mapped=lambda f: jax.vmap(
+        find = jaxmp.debug.find_nonfinite(loss_fn, axis_name="batch", mapped=lambda f: jax.vmap(
             f, in_axes=(None, 0, 0), axis_name="batch"), compute_dtype=jnp.float16)
         # One example per member: the members' batch dimension is the vmapped one.
         seconds, report = _timed(lambda: find(params, images[:, None], labels[:, None]))
         results["vmap_s"], results["vmap_findings"] = seconds, len(report)
     if "pmap" in modes and jax.device_count() >= devices:
-        find = jaxmp.find_nonfinite(loss_fn, axis_name="batch", mapped=lambda f: jax.pmap(
+        find = jaxmp.debug.find_nonfinite(loss_fn, axis_name="batch", mapped=lambda f: jax.pmap(
             f, in_axes=(None, 0, 0), axis_name="batch", devices=jax.devices()[:devices]),
                 compute_dtype=jnp.float16)
         shape = (devices, batch // devices)

@@ -132,7 +132,7 @@ def half_share(loss, args, **options) -> float | str:
     grad_fn = jaxmp.mp_value_and_grad(loss, **options)
     scaler = jaxmp.scaler_for(options["compute_dtype"])
     try:
-        return jaxmp.half_matmul_flop_share(lambda *a: grad_fn(*a, scaler_state=scaler)[1], *args)
+        return jaxmp.debug.half_matmul_flop_share(lambda *a: grad_fn(*a, scaler_state=scaler)[1], *args)
     except TypeError as error:  # float32 noise meets float16 weights in an Equinox layer
         return f"TypeError: {str(error).splitlines()[0][:60]}"
 
@@ -140,7 +140,7 @@ def half_share(loss, args, **options) -> float | str:
 def run() -> list[dict]:
     rows = []
     with jax.numpy_dtype_promotion("standard"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", jaxmp.MostlyFloat32Warning)
+        warnings.simplefilter("ignore", jaxmp.debug.MostlyFloat32Warning)
         for name in sorted(PATTERNS):
             loss, args = PATTERNS[name]()
             for dtype in (jnp.float16, jnp.bfloat16):

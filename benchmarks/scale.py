@@ -226,7 +226,7 @@ def _median_step(compiled, live, tokens, labels, steps: int) -> tuple[float, Any
 
 
 def measure_nonfinite(config: models.GPTConfig, layout: str, steps: int = 3) -> dict[str, Any]:
-    """``jaxmp.find_nonfinite`` on the float16 decoder against one plain step, in this process.
+    """``jaxmp.debug.find_nonfinite`` on the float16 decoder against one plain step, in this process.
 
     The plain step is jaxmp's default float16 step (``autocast``), compiled
     first, its median over ``steps`` calls; the diagnosis is timed from the
@@ -246,7 +246,7 @@ def measure_nonfinite(config: models.GPTConfig, layout: str, steps: int = 3) -> 
                            tokens, labels, steps)
     del compiled
     loss_fn = functools.partial(models.decoder_loss, config=config, scan=scan)
-    find = jaxmp.find_nonfinite(loss_fn, compute_dtype=jnp.float16)
+    find = jaxmp.debug.find_nonfinite(loss_fn, compute_dtype=jnp.float16)
     start, cpu = time.perf_counter(), time.process_time()
     report = find(params, tokens, labels)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -400,7 +400,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="the tiny decoder (width 32, sequence 16), depths 1 and 2, no timed steps")
     parser.add_argument("--nonfinite", default="",
-                        help="comma-separated depths at which to time jaxmp.find_nonfinite "
+                        help="comma-separated depths at which to time jaxmp.debug.find_nonfinite "
                              "(float16, each layout of --layouts) against one plain step")
     parser.add_argument("--fresh", action="store_true", help="ignore the results already in --out")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -6,7 +6,7 @@ measures what does not depend on that machine, so a CPU-only run still tracks
 what a GPU would see. For every (model config, batch size, variant) it records:
 
 * ``saved_activation_bytes``: bytes the VJP of the loss keeps for the backward
-  pass (``jaxmp.saved_activation_bytes``, from ``jax.eval_shape``; backend
+  pass (``jaxmp.debug.saved_activation_bytes``, from ``jax.eval_shape``; backend
   independent);
 * ``half_matmul_flop_share``: share of the matmul FLOPs of the whole training
   step, lowered for CUDA, whose operands are float16/bfloat16 (backend
@@ -511,12 +511,12 @@ def _static_figures(variant: Variant, params_shape, x_shape, y_shape, backend: s
     row = {
         "variant": variant.name,
         "backend": backend,
-        "saved_activation_bytes": jaxmp.saved_activation_bytes(variant.loss, params_shape, x_shape, y_shape),
+        "saved_activation_bytes": jaxmp.debug.saved_activation_bytes(variant.loss, params_shape, x_shape, y_shape),
     }
-    flops = jaxmp.matmul_flops(variant.step, state_shape, x_shape, y_shape, platform="cuda")
+    flops = jaxmp.debug.matmul_flops(variant.step, state_shape, x_shape, y_shape, platform="cuda")
     row["matmul_flops_cuda"] = flops
     total = sum(flops.values())
-    # What jaxmp.half_matmul_flop_share computes, from the counts at hand
+    # What jaxmp.debug.half_matmul_flop_share computes, from the counts at hand
     # (lowering once instead of twice).
     row["half_matmul_flop_share"] = (flops.get("float16", 0) + flops.get("bfloat16", 0)) / total if total else 0.0
     lowered = jax.jit(variant.step, donate_argnums=0).lower(state_shape, x_shape, y_shape)

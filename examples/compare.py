@@ -31,7 +31,7 @@ def saved_activation_bytes(precision: str, config: vit_example.Config) -> int:
     """Bytes the training step keeps for its backward pass, for one batch.
 
     ``mp_value_and_grad`` differentiates the loss under ``jaxmp.autocast`` (its
-    default); the same is done here, and ``jaxmp.saved_activation_bytes`` sums
+    default); the same is done here, and ``jaxmp.debug.saved_activation_bytes`` sums
     the residuals of that VJP with ``jax.eval_shape`` (nothing runs, so the
     figure is the same on any backend).
     """
@@ -42,7 +42,7 @@ def saved_activation_bytes(precision: str, config: vit_example.Config) -> int:
     loss_fn = vit_example.loss_fn
     if precision != "float32":
         loss_fn = jaxmp.autocast(loss_fn, vit_example.DTYPES[precision])
-    return jaxmp.saved_activation_bytes(loss_fn, model, images, labels)
+    return jaxmp.debug.saved_activation_bytes(loss_fn, model, images, labels)
 
 
 def table(results, memory, config) -> str:

@@ -1,27 +1,18 @@
-"""jaxmp: mixed-precision training for JAX, as pure functions over explicit state."""
+"""jaxmp: mixed-precision training for JAX, as pure functions over explicit state.
 
+The top level holds what a training step needs. Tools that inspect a step are
+in :mod:`jaxmp.debug`; float8 rules and low-precision optimizer state, less
+mature, are in :mod:`jaxmp.experimental`.
+"""
+
+from jaxmp import debug
+from jaxmp import experimental
 from jaxmp._src.accumulate import accumulate_value_and_grad
 from jaxmp._src.autocast import autocast
 from jaxmp._src.autocast import AutocastRules
 from jaxmp._src.casting import cast_function
-from jaxmp._src.casting import cast_to_bfloat16
-from jaxmp._src.casting import cast_to_float16
-from jaxmp._src.casting import cast_to_float32
-from jaxmp._src.casting import cast_to_half_precision
 from jaxmp._src.casting import cast_tree
 from jaxmp._src.casting import force_full_precision
-from jaxmp._src.casting import is_float_array
-from jaxmp._src.census import Float8ShortfallWarning
-from jaxmp._src.census import MostlyFloat32Warning
-from jaxmp._src.compat import UnknownEquationWarning
-from jaxmp._src.diagnostics import float8_matmul_flop_share
-from jaxmp._src.diagnostics import half_matmul_flop_share
-from jaxmp._src.diagnostics import matmul_flops
-from jaxmp._src.diagnostics import saved_activation_bytes
-from jaxmp._src.float8 import Float8Rules
-from jaxmp._src.gpu_program import gpu_program
-from jaxmp._src.gpu_program import GpuProgram
-from jaxmp._src.gpu_program import GpuTarget
 from jaxmp._src.grad import mp_grad
 from jaxmp._src.grad import mp_value_and_grad
 from jaxmp._src.loss_scale import adjust
@@ -37,15 +28,8 @@ from jaxmp._src.loss_scale import static_scaler
 from jaxmp._src.loss_scale import TrainingStuckError
 from jaxmp._src.loss_scale import TrainingStuckWarning
 from jaxmp._src.loss_scale import unscale
-from jaxmp._src.low_precision import low_precision_optimizer
-from jaxmp._src.low_precision import LowPrecisionState
-from jaxmp._src.nonfinite import find_nonfinite
-from jaxmp._src.nonfinite import Finding
-from jaxmp._src.nonfinite import NonfiniteReport
 from jaxmp._src.policy import get_policy
 from jaxmp._src.policy import Policy
-from jaxmp._src.report import precision_report
-from jaxmp._src.report import PrecisionReport
 from jaxmp._src.update import optimizer_update
 from jaxmp._src.update import select_tree
 
@@ -58,38 +42,16 @@ __all__ = (
     "autocast",
     "AutocastRules",
     "cast_function",
-    "cast_to_bfloat16",
-    "cast_to_float16",
-    "cast_to_float32",
-    "cast_to_half_precision",
     "cast_tree",
-    "find_nonfinite",
-    "Finding",
-    "Float8Rules",
-    "Float8ShortfallWarning",
-    "float8_matmul_flop_share",
     "force_full_precision",
     "get_policy",
-    "gpu_program",
-    "GpuProgram",
-    "GpuTarget",
-    "half_matmul_flop_share",
     "init_scaler",
-    "is_float_array",
-    "low_precision_optimizer",
-    "LowPrecisionState",
-    "matmul_flops",
     "mp_grad",
-    "MostlyFloat32Warning",
     "mp_value_and_grad",
     "noop_scaler",
-    "NonfiniteReport",
     "optimizer_update",
     "Policy",
-    "precision_report",
-    "PrecisionReport",
     "scale",
-    "saved_activation_bytes",
     "scaler_for",
     "ScalerState",
     "scaler_metrics",
@@ -98,6 +60,36 @@ __all__ = (
     "static_scaler",
     "TrainingStuckError",
     "TrainingStuckWarning",
-    "UnknownEquationWarning",
     "unscale",
 )
+
+# Names that moved out of the top level: still reachable there for a release, with a warning.
+_MOVED = {
+    **{name: debug for name in debug.__all__},
+    **{name: experimental for name in experimental.__all__},
+}
+# Deprecated aliases of `cast_tree` with a fixed dtype, and what to write instead.
+_CAST_ALIASES = {
+    "cast_to_float16": "jaxmp.cast_tree(tree, jnp.float16)",
+    "cast_to_bfloat16": "jaxmp.cast_tree(tree, jnp.bfloat16)",
+    "cast_to_float32": "jaxmp.cast_tree(tree, jnp.float32)",
+    "cast_to_half_precision": "jaxmp.cast_tree(tree, jnp.float16) (or jnp.bfloat16)",
+}
+
+
+def __getattr__(name):
+    """The names deprecated at the top level, with a ``DeprecationWarning`` (PEP 562)."""
+    import warnings  # pylint: disable=g-import-not-at-top
+
+    if name in _MOVED:
+        home = f"{_MOVED[name].__name__}.{name}"
+        warnings.warn(f"jaxmp.{name} has moved to {home}; the top-level name will be removed "
+                      "in the next release.", DeprecationWarning, stacklevel=2)
+        return getattr(_MOVED[name], name)
+    if name in _CAST_ALIASES:
+        from jaxmp._src import casting  # pylint: disable=g-import-not-at-top
+
+        warnings.warn(f"jaxmp.{name} is deprecated and will be removed in the next release: "
+                      f"use {_CAST_ALIASES[name]}.", DeprecationWarning, stacklevel=2)
+        return getattr(casting, name)
+    raise AttributeError(f"module 'jaxmp' has no attribute {name!r}")

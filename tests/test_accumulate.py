@@ -158,7 +158,7 @@ def test_saved_activation_bytes_are_those_of_one_microbatch():
     half_loss = jaxmp.cast_function(mlp_loss, jnp.float16)
 
     def saved(batch):
-        return jaxmp.saved_activation_bytes(half_loss, params, x[:batch], y[:batch])
+        return jaxmp.debug.saved_activation_bytes(half_loss, params, x[:batch], y[:batch])
 
     full, micro, fixed = saved(64), saved(64 // K), saved(0)
     # What grows with the batch: the full batch keeps k times a micro-batch's.

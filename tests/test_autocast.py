@@ -184,9 +184,9 @@ def test_matmuls_run_in_compute_dtype_forward_and_backward(dtype):
 
     params = [jnp.ones((8, 8)) / 8] * 3
     x = jnp.ones((4, 8))
-    flops = jaxmp.matmul_flops(jax.grad(jaxmp.autocast(mlp, dtype)), params, x)
+    flops = jaxmp.debug.matmul_flops(jax.grad(jaxmp.autocast(mlp, dtype)), params, x)
     assert set(flops) == {jnp.dtype(dtype).name}
-    assert jaxmp.matmul_flops(jax.grad(mlp), params, x).keys() == {"float32"}
+    assert jaxmp.debug.matmul_flops(jax.grad(mlp), params, x).keys() == {"float32"}
 
 
 def test_preferred_element_type_follows_compute_dtype():
@@ -210,8 +210,8 @@ def test_user_rules_extend_and_override_the_defaults():
     default = jaxmp.autocast(f, F16)
     assert _dtypes_of(default, w, x, prim="tanh") == [("tanh", "float16")]
     no_half = jaxmp.autocast(f, F16, low_precision=frozenset())
-    assert jaxmp.half_matmul_flop_share(no_half, w, x) == 0.0
-    assert jaxmp.half_matmul_flop_share(default, w, x) == 1.0
+    assert jaxmp.debug.half_matmul_flop_share(no_half, w, x) == 0.0
+    assert jaxmp.debug.half_matmul_flop_share(default, w, x) == 1.0
     # A sum moved out of the float32 list and into ``follow`` runs in float16.
     half_sum = jaxmp.autocast(
         f, F16, full_precision=jaxmp.autocast.FULL_PRECISION - {"reduce_sum"},
@@ -461,7 +461,7 @@ def test_mp_value_and_grad_with_autocast():
         np.testing.assert_allclose(g, r, atol=2e-2 * float(jnp.max(jnp.abs(r))))
     # Plain casting sends these inputs to the loss in float16; autocast keeps the
     # input in float32 and only the matrix products run in half precision.
-    flops = jaxmp.matmul_flops(lambda p: step(p, x, y, scaler_state=state), params)
+    flops = jaxmp.debug.matmul_flops(lambda p: step(p, x, y, scaler_state=state), params)
     assert set(flops) == {"float16"}
 
 
@@ -473,11 +473,11 @@ def test_desktop_vit_training_step_memory_and_matmul_share():
     loss_fn = functools.partial(vit_loss, config=config)
     state = jaxmp.init_scaler()
     step = jaxmp.mp_value_and_grad(loss_fn, compute_dtype=F16, autocast=True)
-    share = jaxmp.half_matmul_flop_share(
+    share = jaxmp.debug.half_matmul_flop_share(
         lambda p, x, y: step(p, x, y, scaler_state=state), params, images, labels)
     assert share == 1.0
-    full = jaxmp.saved_activation_bytes(loss_fn, params, images, labels)
-    auto = jaxmp.saved_activation_bytes(jaxmp.autocast(loss_fn, F16), params, images, labels)
+    full = jaxmp.debug.saved_activation_bytes(loss_fn, params, images, labels)
+    auto = jaxmp.debug.saved_activation_bytes(jaxmp.autocast(loss_fn, F16), params, images, labels)
     assert full / auto >= 1.8
 
 
@@ -555,8 +555,8 @@ def test_recomputation_keeps_only_half_precision_and_statistics():
     saved = _residual_dtypes(f, w, x, scale, bias)
     # Float32 residuals are only statistics (one number per row), never activations.
     assert all(dtype == "float16" or np.prod(shape) <= 16 for dtype, shape in saved), saved
-    full = jaxmp.saved_activation_bytes(_ln_attention, w, x, scale, bias)
-    assert full / jaxmp.saved_activation_bytes(f, w, x, scale, bias) >= 2.0
+    full = jaxmp.debug.saved_activation_bytes(_ln_attention, w, x, scale, bias)
+    assert full / jaxmp.debug.saved_activation_bytes(f, w, x, scale, bias) >= 2.0
     no_recompute = jaxmp.autocast(_ln_attention, F16, recompute_float32=False)
     _assert_close(jax.grad(f)(w, x, scale, bias), jax.grad(no_recompute)(w, x, scale, bias), rtol=1e-6)
 
@@ -779,16 +779,16 @@ def test_force_full_precision_runs_its_products_in_float32_under_autocast(comput
     name = jnp.dtype(compute_dtype).name
     # Without it every product is in the compute dtype (forward 3, backward 5: x is not
     # differentiated) ...
-    assert jaxmp.matmul_flops(step(False), w, x) == {name: 8 * one}
+    assert jaxmp.debug.matmul_flops(step(False), w, x) == {name: 8 * one}
     # ... with it, the middle product and its two backward products run in float32.
-    assert jaxmp.matmul_flops(step(True), w, x) == {name: 5 * one, "float32": 3 * one}
+    assert jaxmp.debug.matmul_flops(step(True), w, x) == {name: 5 * one, "float32": 3 * one}
     # Its gradient is float32's (the product and the tanh in float32); the others are not.
     loss, grads, _, finite = jax.jit(step(True))(w, x)
     assert bool(finite)
     _, reference = jax.value_and_grad(_forced_middle_loss(False))(w, x)
     np.testing.assert_allclose(grads["c"], reference["c"], rtol=0.05, atol=0.05 * float(
         jnp.abs(reference["c"]).max()))
-    report = jaxmp.precision_report(step(True), w, x, compute_dtype=compute_dtype)
+    report = jaxmp.debug.precision_report(step(True), w, x, compute_dtype=compute_dtype)
     forced = [row for row in report.wider if row.reason == "forced"]
     assert forced and sum(row.flops for row in forced) == 3 * one, str(report)
     assert "jaxmp.force_full_precision" in str(report)

@@ -242,7 +242,7 @@ def test_autocast_runs_an_equation_it_does_not_understand_as_written_and_says_on
         out_again = cast(w * 2.0, x)
         grads = jax.grad(jaxmp.autocast(fn, jnp.float16))(w, x)
         grads_again = jax.jit(jax.grad(jaxmp.autocast(fn, jnp.float16)))(w, x)
-    said = [c for c in caught if issubclass(c.category, jaxmp.UnknownEquationWarning)]
+    said = [c for c in caught if issubclass(c.category, jaxmp.debug.UnknownEquationWarning)]
     assert len(said) == 1, [str(c.message) for c in caught]
     assert f"a {primitive} equation" in str(said[0].message)
     assert "runs as written" in str(said[0].message)
@@ -257,13 +257,13 @@ def test_autocast_runs_an_equation_it_does_not_understand_as_written_and_says_on
 
 def test_find_nonfinite_runs_an_equation_it_does_not_understand_as_written():
     w, x = jnp.full((4, 4), 0.25), jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
-    with pytest.warns(jaxmp.UnknownEquationWarning, match="test_new_call"):
-        report = jaxmp.find_nonfinite(_with_new_call, compute_dtype=jnp.float16)(w, x)
+    with pytest.warns(jaxmp.debug.UnknownEquationWarning, match="test_new_call"):
+        report = jaxmp.debug.find_nonfinite(_with_new_call, compute_dtype=jnp.float16)(w, x)
     assert not report.findings
     # What the equation computes is not diagnosed, but what the function does around it is.
-    with pytest.warns(jaxmp.UnknownEquationWarning, match="test_new_call"):
+    with pytest.warns(jaxmp.debug.UnknownEquationWarning, match="test_new_call"):
         loss = lambda w, x: _with_new_call(w, x) + jnp.sum(jnp.exp(w * 60.0))
-        report = jaxmp.find_nonfinite(loss, compute_dtype=jnp.float16, autocast=False)(w, x)
+        report = jaxmp.debug.find_nonfinite(loss, compute_dtype=jnp.float16, autocast=False)(w, x)
     assert [f.primitive for f in report.findings][:1] == ["exp"], str(report)
 
 
@@ -280,7 +280,7 @@ def test_an_equation_with_parameters_jaxmp_does_not_know_runs_as_written_in_ever
 
     w, x = jnp.full((4, 4), 0.25), jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
     closed = jax.make_jaxpr(f)(w, x)
-    with pytest.warns(jaxmp.UnknownEquationWarning, match="a scan equation .*no parameter"):
+    with pytest.warns(jaxmp.debug.UnknownEquationWarning, match="a scan equation .*no parameter"):
         (out,) = interpret.Interpreter().eval_closed(closed, [w, x])
     np.testing.assert_allclose(out, f(w, x), rtol=1e-6)
 
@@ -350,8 +350,9 @@ def test_find_nonfinite_names_the_line_without_the_private_api(monkeypatch):
     def loss(params, x):
         return jnp.sum(jnp.exp(x * params["w"]))  # overflows in float16
 
-    report = jaxmp.find_nonfinite(loss, autocast=False,
-                                  compute_dtype=jnp.float16)({"w": jnp.float32(30.0)}, jnp.ones(4))
+    report = jaxmp.debug.find_nonfinite(loss, autocast=False,
+                                        compute_dtype=jnp.float16)(
+                                            {"w": jnp.float32(30.0)}, jnp.ones(4))
     assert report.findings
     assert "test_compat.py" in str(report), str(report)
 

@@ -19,15 +19,18 @@ def _params():
 
 def test_saved_bytes_halve_in_half_precision():
     params, x = _params(), jnp.ones((64, 16))
-    full = jaxmp.saved_activation_bytes(_mlp_loss, params, x)
-    half = jaxmp.saved_activation_bytes(jaxmp.cast_function(_mlp_loss, jnp.float16), params, x)
+    full = jaxmp.debug.saved_activation_bytes(_mlp_loss, params, x)
+    half = jaxmp.debug.saved_activation_bytes(jaxmp.cast_function(_mlp_loss, jnp.float16),
+                                              params, x)
     assert full > 0 and full == 2 * half
 
 
 def test_saved_bytes_grow_with_batch_and_accept_shape_structs():
     params = _params()
-    small = jaxmp.saved_activation_bytes(_mlp_loss, params, jax.ShapeDtypeStruct((8, 16), jnp.float32))
-    big = jaxmp.saved_activation_bytes(_mlp_loss, params, jax.ShapeDtypeStruct((800, 16), jnp.float32))
+    small = jaxmp.debug.saved_activation_bytes(_mlp_loss, params,
+                                               jax.ShapeDtypeStruct((8, 16), jnp.float32))
+    big = jaxmp.debug.saved_activation_bytes(_mlp_loss, params,
+                                             jax.ShapeDtypeStruct((800, 16), jnp.float32))
     # tanh saves its [B, 32] output: 32 * 4 bytes per extra example at least.
     assert big - small >= 792 * 32 * 4
 
@@ -38,8 +41,9 @@ def test_saved_bytes_with_aux_static_args_and_argnums():
         return y, {"name": scale_name}
 
     params, x = _params(), jnp.ones((4, 16))
-    by_params = jaxmp.saved_activation_bytes(loss, params, x, "s", has_aux=True, power=2)
-    by_both = jaxmp.saved_activation_bytes(loss, params, x, "s", argnums=(0, 1), has_aux=True, power=2)
+    by_params = jaxmp.debug.saved_activation_bytes(loss, params, x, "s", has_aux=True, power=2)
+    by_both = jaxmp.debug.saved_activation_bytes(loss, params, x, "s", argnums=(0, 1),
+                                                 has_aux=True, power=2)
     assert by_params > 0 and by_both >= by_params
 
 
@@ -52,7 +56,7 @@ def test_matmul_flops_counts_dots_and_convolutions():
         return jnp.sum(y.astype(jnp.float32)) + jnp.sum(z) + jnp.sum(e)
 
     # conv: 81 outputs, each 3*3*3 = 27 multiply-adds -> 4374 flops
-    flops = jaxmp.matmul_flops(f, jnp.ones((4, 3)), jnp.ones((2, 4)), jnp.ones((3, 3, 3, 3)))
+    flops = jaxmp.debug.matmul_flops(f, jnp.ones((4, 3)), jnp.ones((2, 4)), jnp.ones((3, 3, 3, 3)))
     assert flops == {"float16": 48, "float32": 4374 + 32}
 
 
@@ -62,8 +66,8 @@ def test_a_nested_jit_called_twice_is_counted_twice():
     layer = jax.jit(lambda w, x: x @ w)
     flops = 2 * 16 * 32 * 64
     for platform in ("cuda", "cpu"):
-        assert jaxmp.matmul_flops(lambda w, x: layer(w, x) + layer(w, 2 * x), w, x,
-                                  platform=platform) == {"float32": 2 * flops}
+        assert jaxmp.debug.matmul_flops(lambda w, x: layer(w, x) + layer(w, 2 * x), w, x,
+                                        platform=platform) == {"float32": 2 * flops}
 
 
 def _nested_scans(w, xs):
@@ -98,8 +102,8 @@ LOOPS = {  # (function, arguments, FLOPs): a loop body counts once per iteration
 def test_flop_tools_agree_on_loops(loop):
     # Issue 34: matmul_flops counted a scan's body once, precision_report once per iteration.
     fn, args, flops = LOOPS[loop]
-    assert jaxmp.matmul_flops(fn, *args) == {"float32": flops}
-    assert jaxmp.precision_report(fn, *args).totals == {"float32": flops}
+    assert jaxmp.debug.matmul_flops(fn, *args) == {"float32": flops}
+    assert jaxmp.debug.precision_report(fn, *args).totals == {"float32": flops}
 
 
 def test_flop_shares_agree_on_a_training_run_in_one_jit():
@@ -121,13 +125,13 @@ def test_flop_shares_agree_on_a_training_run_in_one_jit():
     w, x = jnp.ones((8, 8)) / 8, jnp.ones((8, 8))
     product = 2 * 4 * 8 * 8  # a minibatch's forward product; its backward has one (w's)
     expected = {"float32": 6 * 2 * 8 * 8 * 8, "bfloat16": 3 * 2 * 2 * product}
-    assert jaxmp.matmul_flops(run, w, x) == expected
-    assert jaxmp.precision_report(run, w, x).totals == expected
+    assert jaxmp.debug.matmul_flops(run, w, x) == expected
+    assert jaxmp.debug.precision_report(run, w, x).totals == expected
     share = expected["bfloat16"] / sum(expected.values())
-    assert jaxmp.half_matmul_flop_share(run, w, x) == pytest.approx(share)
+    assert jaxmp.debug.half_matmul_flop_share(run, w, x) == pytest.approx(share)
 
 
-@pytest.mark.filterwarnings("ignore::jaxmp.Float8ShortfallWarning")
+@pytest.mark.filterwarnings("ignore::jaxmp.experimental.Float8ShortfallWarning")
 def test_matmul_flops_takes_a_pmapped_step_and_its_outputs():
     # Issue 34: a pmapped Haiku MXFP8 step's own outputs (placed by pmap) raised "mesh should
     # be the same across the entire program" in the jit that matmul_flops lowers.
@@ -145,8 +149,8 @@ def test_matmul_flops_takes_a_pmapped_step_and_its_outputs():
         (jax.tree.map(lambda a: jnp.stack([a, a]), params), x))
     flops = 2 * 32 * 32 * 32  # one layer's forward product, per device
     # Two layers: forward and weight gradient each, and the second layer's input gradient.
-    assert jaxmp.matmul_flops(step, *placed) == {"float8_e4m3fn": 5 * flops}
-    assert jaxmp.matmul_flops(step, *placed, platform="cpu") == {"float8_e4m3fn": 5 * flops}
+    assert jaxmp.debug.matmul_flops(step, *placed) == {"float8_e4m3fn": 5 * flops}
+    assert jaxmp.debug.matmul_flops(step, *placed, platform="cpu") == {"float8_e4m3fn": 5 * flops}
 
 
 def test_block_scaled_float8_products_are_counted_on_cuda():
@@ -156,14 +160,14 @@ def test_block_scaled_float8_products_are_counted_on_cuda():
                        float8_scaling="mxfp8")
     w, x = jnp.ones((64, 32)), jnp.ones((16, 64))
     step = jax.grad(lambda w, x: jnp.sum(f(w, x) + f(w, 2 * x)), argnums=(0, 1))
-    cuda = jaxmp.matmul_flops(step, w, x)
-    assert cuda == jaxmp.matmul_flops(step, w, x, platform="cpu")
+    cuda = jaxmp.debug.matmul_flops(step, w, x)
+    assert cuda == jaxmp.debug.matmul_flops(step, w, x, platform="cpu")
     assert cuda == {"float8_e4m3fn": 6 * 2 * 16 * 32 * 64}  # 2 products, each 3 times
-    assert jaxmp.half_matmul_flop_share(step, w, x) == 1.0
+    assert jaxmp.debug.half_matmul_flop_share(step, w, x) == 1.0
 
 
 def test_operand_dtype_not_accumulation_dtype_is_counted():
-    flops = jaxmp.matmul_flops(
+    flops = jaxmp.debug.matmul_flops(
         lambda a, b: jax.lax.dot(a, b, preferred_element_type=jnp.float32),
         jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 2), jnp.bfloat16))
     assert flops == {"bfloat16": 24}
@@ -184,14 +188,14 @@ def test_half_share_of_a_mixed_training_step():
                                        compute_dtype=jnp.float16)(params, x, scaler_state=state)
 
     state = jaxmp.init_scaler()
-    assert jaxmp.half_matmul_flop_share(step, params, x, state) == 1.0
-    assert jaxmp.half_matmul_flop_share(jax.value_and_grad(_mlp_loss), params, x) == 0.0
-    assert jaxmp.half_matmul_flop_share(lambda v: v + 1, x) == 0.0
+    assert jaxmp.debug.half_matmul_flop_share(step, params, x, state) == 1.0
+    assert jaxmp.debug.half_matmul_flop_share(jax.value_and_grad(_mlp_loss), params, x) == 0.0
+    assert jaxmp.debug.half_matmul_flop_share(lambda v: v + 1, x) == 0.0
 
 
 @pytest.mark.parametrize("platform", ["cuda", "cpu"])
 def test_lowering_platforms(platform):
-    flops = jaxmp.matmul_flops(lambda a: a @ a, jnp.ones((4, 4)), platform=platform)
+    flops = jaxmp.debug.matmul_flops(lambda a: a @ a, jnp.ones((4, 4)), platform=platform)
     assert flops == {"float32": 2 * 4 * 4 * 4}
 
 
@@ -214,8 +218,8 @@ def test_flop_tools_take_an_equinox_step_that_returns_the_updated_module():
     eqx, model, loss_fn, step = _equinox_step_and_model()
     x = jnp.ones((3, 4))
     # Forward 2*3*(4*8 + 8*2) = 288, both weight gradients 288, one input gradient 96.
-    assert jaxmp.matmul_flops(step, model, x) == {"float32": 288 + 288 + 96}
-    assert jaxmp.half_matmul_flop_share(step, model, x) == 0.0
+    assert jaxmp.debug.matmul_flops(step, model, x) == {"float32": 288 + 288 + 96}
+    assert jaxmp.debug.half_matmul_flop_share(step, model, x) == 0.0
 
     def mixed_step(model, x, state):
         grad_fn = jaxmp.mp_value_and_grad(loss_fn, compute_dtype=jnp.bfloat16,
@@ -224,8 +228,8 @@ def test_flop_tools_take_an_equinox_step_that_returns_the_updated_module():
         return eqx.apply_updates(model, jax.tree_util.tree_map(lambda g: -0.1 * g, grads)), loss
 
     state = jaxmp.noop_scaler()
-    assert jaxmp.half_matmul_flop_share(mixed_step, model, x, state) == 1.0
-    assert jaxmp.float8_matmul_flop_share(mixed_step, model, x, state) == 1.0
+    assert jaxmp.debug.half_matmul_flop_share(mixed_step, model, x, state) == 1.0
+    assert jaxmp.debug.float8_matmul_flop_share(mixed_step, model, x, state) == 1.0
 
 
 def test_flop_tools_and_saved_bytes_take_none_functions_and_strings_in_and_out():
@@ -235,12 +239,12 @@ def test_flop_tools_and_saved_bytes_take_none_functions_and_strings_in_and_out()
 
     tree = {"w": jnp.ones((4, 4)), "none": None, "act": jax.nn.relu, "name": "layer"}
     x = jnp.ones((2, 4))
-    assert jaxmp.matmul_flops(f, tree, x) == {"float32": 2 * 2 * 4 * 4}
-    assert jaxmp.half_matmul_flop_share(f, tree, x) == 0.0
-    assert jaxmp.float8_matmul_flop_share(f, tree, x) == 0.0
+    assert jaxmp.debug.matmul_flops(f, tree, x) == {"float32": 2 * 2 * 4 * 4}
+    assert jaxmp.debug.half_matmul_flop_share(f, tree, x) == 0.0
+    assert jaxmp.debug.float8_matmul_flop_share(f, tree, x) == 0.0
     # The bytes of the array outputs' residuals alone: none for what is not an array.
-    saved = jaxmp.saved_activation_bytes(f, tree, x)
-    with_aux = jaxmp.saved_activation_bytes(lambda t, x: (f(t, x), {"tag": "aux", "f": len}),
-                                            tree, x, has_aux=True)
-    assert saved == with_aux == jaxmp.saved_activation_bytes(
+    saved = jaxmp.debug.saved_activation_bytes(f, tree, x)
+    with_aux = jaxmp.debug.saved_activation_bytes(lambda t, x: (f(t, x), {"tag": "aux", "f": len}),
+                                                  tree, x, has_aux=True)
+    assert saved == with_aux == jaxmp.debug.saved_activation_bytes(
         lambda t, x: tree["act"](x @ t["w"]), tree, x) > 0

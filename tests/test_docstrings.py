@@ -8,7 +8,8 @@ each docstring in an empty namespace: an example that uses a name it did not
 import itself (``init_scaler(...)`` instead of ``jaxmp.init_scaler(...)``)
 fails with a ``NameError``.
 
-The names come from ``jaxmp.__all__``, so a name added later is covered.
+The names come from ``__all__`` of ``jaxmp``, ``jaxmp.debug`` and
+``jaxmp.experimental``, so a name added later is covered.
 """
 
 import doctest
@@ -43,21 +44,28 @@ print(json.dumps(failures))
 """
 
 
+# Every public name, relative to jaxmp: ``mp_grad``, ``debug.find_nonfinite``, ...
+PUBLIC = [*jaxmp.__all__, *(f"debug.{name}" for name in jaxmp.debug.__all__),
+          *(f"experimental.{name}" for name in jaxmp.experimental.__all__)]
+
+
 def _docstrings(name):
     """``(test name, docstring)`` of ``jaxmp.<name>`` and its methods, those with examples."""
-    obj = getattr(jaxmp, name)
+    obj = jaxmp
+    for part in name.split("."):
+        obj = getattr(obj, part)
     finder = doctest.DocTestFinder(recurse=inspect.isclass(obj))
     tests = finder.find(obj, f"jaxmp.{name}", module=False, globs={})
     return [(t.name, t.docstring) for t in tests if t.examples]
 
 
 def test_every_public_name_has_an_example():
-    missing = [name for name in jaxmp.__all__ if not _docstrings(name)]
+    missing = [name for name in PUBLIC if not _docstrings(name)]
     assert not missing, f"no docstring example (a '>>>' line) for: {', '.join(missing)}"
 
 
 def test_docstring_examples_run_in_a_fresh_interpreter():
-    docstrings = [pair for name in sorted(jaxmp.__all__) for pair in _docstrings(name)]
+    docstrings = [pair for name in sorted(PUBLIC) for pair in _docstrings(name)]
     assert docstrings
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))

@@ -264,9 +264,6 @@ MISPLACED = {
     "cast_tree, the dtype first": (
         lambda: jaxmp.cast_tree(jnp.float16, _PARAMS),
         ValueError, r"dtype must be a floating-point dtype .*wrong order"),
-    "cast_to_half_precision, the dtype first": (
-        lambda: jaxmp.cast_to_half_precision(jnp.float16, _PARAMS),
-        ValueError, r"wrong order"),
     "cast_function, the dtype first": (
         lambda: jaxmp.cast_function(jnp.float16, _FN), ValueError, r"wrong order"),
     "cast_function, not a function": (
@@ -280,20 +277,21 @@ MISPLACED = {
     "autocast, not a function": (
         lambda: jaxmp.autocast(_PARAMS), TypeError, r"jaxmp.autocast takes a function first"),
     "find_nonfinite, the dtype first": (
-        lambda: jaxmp.find_nonfinite(jnp.float16, _FN), ValueError, r"wrong order"),
+        lambda: jaxmp.debug.find_nonfinite(jnp.float16, _FN), ValueError, r"wrong order"),
     "matmul_flops, the arguments first": (
-        lambda: jaxmp.matmul_flops(_PARAMS, _FN), TypeError, r"takes a function first"),
+        lambda: jaxmp.debug.matmul_flops(_PARAMS, _FN), TypeError, r"takes a function first"),
     "precision_report, the arguments first": (
-        lambda: jaxmp.precision_report(_PARAMS, _FN), TypeError, r"takes a function first"),
+        lambda: jaxmp.debug.precision_report(_PARAMS, _FN), TypeError, r"takes a function first"),
     "saved_activation_bytes, the arguments first": (
-        lambda: jaxmp.saved_activation_bytes(_PARAMS, _FN), TypeError, r"takes a function first"),
+        lambda: jaxmp.debug.saved_activation_bytes(_PARAMS, _FN), TypeError,
+        r"takes a function first"),
     "scaler_for, given a scaler": (
         lambda: jaxmp.scaler_for(jaxmp.init_scaler()), ValueError, r"got a ScalerState"),
     "adjust, the flag first": (
         lambda: jaxmp.adjust(True, jaxmp.init_scaler()), TypeError,
         r"must be a jaxmp.ScalerState .*got bool"),
     "low_precision_optimizer, the dtype first": (
-        lambda: jaxmp.low_precision_optimizer(jnp.bfloat16, _OPT), TypeError,
+        lambda: jaxmp.experimental.low_precision_optimizer(jnp.bfloat16, _OPT), TypeError,
         r"wraps an optax transformation"),
 }
 

@@ -143,7 +143,7 @@ def _no_haiku_policies():
 
 
 def _float_leaves(tree):
-    return [x for x in jax.tree_util.tree_leaves(tree) if jaxmp.is_float_array(x)]
+    return [x for x in jax.tree_util.tree_leaves(tree) if jaxmp.debug.is_float_array(x)]
 
 
 @pytest.mark.parametrize("name", sorted(SETUPS))
@@ -159,7 +159,7 @@ def test_state_stays_float32_and_step_compiles_once(name):
         _, train_step, ts, _ = SETUPS[name]("float16")
         # Every convolution and matrix product of the step runs in float16
         # (nothing silently promoted back to float32 after a BatchNorm).
-        assert jaxmp.matmul_flops(train_step, ts, batch).keys() == {"float16"}
+        assert jaxmp.debug.matmul_flops(train_step, ts, batch).keys() == {"float16"}
         step = _jit(train_step)
         before = getattr(ts, field)
         ts1, loss = step(ts, batch)

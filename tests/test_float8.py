@@ -203,16 +203,16 @@ def test_operands_whose_amaxes_multiply_below_float32_range_keep_their_product()
 def test_matmul_flops_count_float8_products():
     w, x = _operands(1.0)
     loss = _f8(lambda w, x: jnp.sum(_matmul(w, x) ** 2))
-    fwd = jaxmp.matmul_flops(loss, w, x)
+    fwd = jaxmp.debug.matmul_flops(loss, w, x)
     assert fwd == {"float8_e4m3fn": 2 * 32 * 128 * 64}
-    both = jaxmp.matmul_flops(jax.grad(loss, argnums=(0, 1)), w, x)
+    both = jaxmp.debug.matmul_flops(jax.grad(loss, argnums=(0, 1)), w, x)
     assert both == {"float8_e4m3fn": 2 * 32 * 128 * 64,
                     "float8_e4m3fn+float8_e5m2": 2 * 2 * 32 * 128 * 64}
-    assert jaxmp.half_matmul_flop_share(jax.grad(loss), w, x) == 1.0
-    assert jaxmp.float8_matmul_flop_share(jax.grad(loss), w, x) == 1.0
+    assert jaxmp.debug.half_matmul_flop_share(jax.grad(loss), w, x) == 1.0
+    assert jaxmp.debug.float8_matmul_flop_share(jax.grad(loss), w, x) == 1.0
     plain = jaxmp.autocast(lambda w, x: jnp.sum(_matmul(w, x) ** 2), BF16)
-    assert jaxmp.float8_matmul_flop_share(jax.grad(plain), w, x) == 0.0
-    assert jaxmp.half_matmul_flop_share(jax.grad(plain), w, x) == 1.0
+    assert jaxmp.debug.float8_matmul_flop_share(jax.grad(plain), w, x) == 0.0
+    assert jaxmp.debug.half_matmul_flop_share(jax.grad(plain), w, x) == 1.0
 
 
 # --- A tiny MLP ---------------------------------------------------------------------------------
@@ -284,7 +284,7 @@ def test_float8_products_written_in_fn_are_kept_by_an_outer_autocast():
     # mp_value_and_grad(autocast=True): the outer autocast must not widen it.
     w, x = _operands(1.0)
     loss = _f8(lambda w, x: jnp.sum(_matmul(w, x) ** 2),
-               float8_rules=jaxmp.Float8Rules(min_flops=1))
+               float8_rules=jaxmp.experimental.Float8Rules(min_flops=1))
     outer = jaxmp.autocast(loss, BF16)
     assert _operand_dtypes(outer, w, x) == [("float8_e4m3fn", "float8_e4m3fn")]
     assert any("float8_e5m2" in d for d in _operand_dtypes(jax.grad(outer), w, x))
@@ -395,7 +395,7 @@ def test_convolution_forward_in_float8():
     np.testing.assert_allclose(jax.jit(_f8(fn, jnp.float32))(w, x), fn(w, x), rtol=0.05)
     got, ref = jax.jit(jax.grad(_f8(fn, jnp.float32)))(w, x), jax.grad(fn)(w, x)
     assert _rel(got, ref) < 0.1
-    no_conv = jaxmp.Float8Rules(primitives={"dot_general"})
+    no_conv = jaxmp.experimental.Float8Rules(primitives={"dot_general"})
     assert _operand_dtypes(_f8(fn, float8_rules=no_conv), w, x, prim="conv_general_dilated") == [
         ("bfloat16", "bfloat16")]
 
@@ -512,10 +512,10 @@ def test_convolution_backward_under_vmap_and_half_compute():
     per_example = jax.vmap(jax.grad(_f8(fn)), in_axes=(None, 0))
     # the forward product in float8, the kernel gradient in bfloat16 (no input gradient is
     # asked for)
-    assert jaxmp.float8_matmul_flop_share(per_example, w, xs) == 0.5
+    assert jaxmp.debug.float8_matmul_flop_share(per_example, w, xs) == 0.5
     both = jax.vmap(jax.grad(_f8(fn), argnums=(0, 1)), in_axes=(None, 0))
-    assert jaxmp.float8_matmul_flop_share(both, w, xs) == pytest.approx(2 / 3)
-    assert jaxmp.half_matmul_flop_share(per_example, w, xs) == 1.0
+    assert jaxmp.debug.float8_matmul_flop_share(both, w, xs) == pytest.approx(2 / 3)
+    assert jaxmp.debug.half_matmul_flop_share(per_example, w, xs) == 1.0
     got = jax.jit(per_example)(w, xs)
     assert got.dtype == w.dtype
     ref = jax.vmap(jax.grad(fn), in_axes=(None, 0))(w, xs)
@@ -537,14 +537,14 @@ def _two_args():
 
 
 def test_min_flops_keeps_small_products_in_compute_dtype():
-    rules = jaxmp.Float8Rules(min_flops=10_000)
+    rules = jaxmp.experimental.Float8Rules(min_flops=10_000)
     dtypes = _operand_dtypes(_f8(_two_products, float8_rules=rules), *_two_args())
     assert dtypes == [("float8_e4m3fn", "float8_e4m3fn"), ("bfloat16", "bfloat16")]
 
 
 @pytest.mark.parametrize("scope", ["head", "outer/head"])
 def test_named_scope_keeps_a_layer_in_compute_dtype(scope):
-    rules = jaxmp.Float8Rules(keep_scopes={scope})
+    rules = jaxmp.experimental.Float8Rules(keep_scopes={scope})
 
     def outer(w, v, x):
         with jax.named_scope("outer"):
@@ -552,7 +552,7 @@ def test_named_scope_keeps_a_layer_in_compute_dtype(scope):
 
     dtypes = _operand_dtypes(_f8(outer, float8_rules=rules), *_two_args())
     assert dtypes == [("float8_e4m3fn", "float8_e4m3fn"), ("bfloat16", "bfloat16")]
-    other = jaxmp.Float8Rules(keep_scopes={"hea"})
+    other = jaxmp.experimental.Float8Rules(keep_scopes={"hea"})
     assert all(d[0] == "float8_e4m3fn"
                for d in _operand_dtypes(_f8(outer, float8_rules=other), *_two_args()))
 
@@ -564,7 +564,7 @@ def test_predicate_sees_the_product():
         seen.append(product)
         return product.rhs_shape == (4, 3)
 
-    rules = jaxmp.Float8Rules(keep_if=keep_if)
+    rules = jaxmp.experimental.Float8Rules(keep_if=keep_if)
     dtypes = _operand_dtypes(_f8(_two_products, float8_rules=rules), *_two_args())
     assert dtypes == [("float8_e4m3fn", "float8_e4m3fn"), ("bfloat16", "bfloat16")]
     assert seen[0].primitive == "dot_general" and seen[0].flops == 2 * 32 * 128 * 64
@@ -577,7 +577,7 @@ def test_predicate_sees_the_product():
 def test_find_nonfinite_with_float8_products():
     params, (x, y) = _mlp_params(sizes=(32, 10)), _mlp_batch(16)  # eager: keep it small
     opts = dict(autocast=True, matmul_dtype=E4M3)
-    report = jaxmp.find_nonfinite(_mlp_loss, **opts)(params, x, y)
+    report = jaxmp.debug.find_nonfinite(_mlp_loss, **opts)(params, x, y)
     assert not report and not report.findings  # float8 rounding is not reported as a problem
 
 
@@ -592,8 +592,8 @@ def _overflowing_product(w, x):
 def test_find_nonfinite_names_the_line_of_an_overflowing_float8_product():
     w = jnp.ones((128, 64))
     x = 1e3 * jax.random.uniform(jax.random.key(0), (16, 128), minval=0.5, maxval=1.5)
-    report = jaxmp.find_nonfinite(_overflowing_product, autocast=True, matmul_dtype=E4M3,
-                                  compute_dtype=jnp.float16)(w, x)
+    report = jaxmp.debug.find_nonfinite(_overflowing_product, autocast=True, matmul_dtype=E4M3,
+                                        compute_dtype=jnp.float16)(w, x)
     assert report
     first = report.findings[0]
     assert first.phase == "forward" and first.dtype == "float16"
@@ -623,18 +623,18 @@ def test_bad_matmul_dtype():
 
 def test_bad_float8_rules():
     with pytest.raises(TypeError, match="collection of strings"):
-        jaxmp.Float8Rules(keep_scopes="head")
+        jaxmp.experimental.Float8Rules(keep_scopes="head")
     with pytest.raises(ValueError, match="only"):
-        jaxmp.Float8Rules(primitives={"dot_general", "mul"})
+        jaxmp.experimental.Float8Rules(primitives={"dot_general", "mul"})
     with pytest.raises(TypeError, match="min_flops"):
-        jaxmp.Float8Rules(min_flops=-1)
+        jaxmp.experimental.Float8Rules(min_flops=-1)
     with pytest.raises(TypeError, match="keep_if"):
-        jaxmp.Float8Rules(keep_if="head")
+        jaxmp.experimental.Float8Rules(keep_if="head")
     with pytest.raises(TypeError, match="float8_rules must be"):
         jaxmp.autocast(_matmul, BF16, matmul_dtype=E4M3, float8_rules={"min_flops": 1})
 
 
 def test_rules_repr():
-    assert repr(jaxmp.Float8Rules()) == "Float8Rules()"
-    assert repr(jaxmp.Float8Rules(min_flops=8, keep_scopes={"head"})) == (
+    assert repr(jaxmp.experimental.Float8Rules()) == "Float8Rules()"
+    assert repr(jaxmp.experimental.Float8Rules(min_flops=8, keep_scopes={"head"})) == (
         "Float8Rules(min_flops=8, keep_scopes={'head'})")

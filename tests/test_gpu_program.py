@@ -1,4 +1,4 @@
-"""Tests of jaxmp.gpu_program: the census of an optimized GPU program, and what the H100 and
+"""Tests of jaxmp.debug.gpu_program: the census of an optimized GPU program, and what the H100 and
 B200 programs of jaxmp's steps are.
 
 The first half reads small handwritten HLO modules (no compiler needed: these run everywhere).
@@ -40,7 +40,7 @@ ENTRY %main (a: bf16[64,32], b: bf16[32,16]) -> f32[64,16] {
 
 
 def test_cublas_call_flops_types_and_bytes_without_workspace():
-    program = jaxmp.GpuProgram.from_hlo(_GEMM, "h100")
+    program = jaxmp.debug.GpuProgram.from_hlo(_GEMM, "h100")
     (p,) = program.products
     assert (p.kind, p.engine, p.call) == ("dot", "cuBLAS", "__cublas$lt$matmul")
     assert (p.lhs, p.rhs, p.out) == ("bf16", "bf16", "f32")
@@ -94,7 +94,7 @@ ENTRY %main (a: f8e4m3fn[128,64], b: f8e5m2[64,32], s: f32[], w: f32[64,32]) -> 
 
 
 def test_operand_types_as_executed_find_float8_widened_before_the_product():
-    native, triton, loop = jaxmp.GpuProgram.from_hlo(_FLOAT8, "h100").products
+    native, triton, loop = jaxmp.debug.GpuProgram.from_hlo(_FLOAT8, "h100").products
     flops = 2 * 128 * 32 * 64
     # cuBLASLt's float8 GEMM takes the float8 operands themselves.
     assert (native.engine, native.lhs, native.rhs, native.flops) == ("cuBLAS", "f8e4m3fn",
@@ -106,7 +106,7 @@ def test_operand_types_as_executed_find_float8_widened_before_the_product():
     # A dequantised float8 tensor (convert, then a scale) in a loop fusion: no tensor cores.
     assert (loop.engine, loop.lhs, loop.rhs) == ("loop", "f32<-f8e4m3fn", "f32")
     assert not loop.tensor_cores and loop.unit == "f32" and loop.dtype_key == "float32"
-    program = jaxmp.GpuProgram.from_hlo(_FLOAT8, "h100")
+    program = jaxmp.debug.GpuProgram.from_hlo(_FLOAT8, "h100")
     assert program.float8_native_share == pytest.approx(1 / 3)
     assert program.matmul_flops() == {"float8_e4m3fn+float8_e5m2": flops,
                                       "bfloat16": flops, "float32": flops}
@@ -130,7 +130,7 @@ ENTRY %main (x: bf16[8,16,16,32], w: bf16[3,3,32,64], dy: bf16[8,16,16,64]) -> (
 
 
 def test_cudnn_convolutions_forward_and_backward_flops():
-    products = jaxmp.GpuProgram.from_hlo(_CONVOLUTIONS, "h100").products
+    products = jaxmp.debug.GpuProgram.from_hlo(_CONVOLUTIONS, "h100").products
     assert [p.kind for p in products] == [
         "convolution", "convolution input gradient", "convolution kernel gradient"]
     # A 3x3 convolution of 32 to 64 features on 8x16x16: each of its three products does
@@ -173,13 +173,13 @@ ENTRY %main (v: f32[256]) -> (s32[], f32[256]) {
 
 
 def test_loop_bodies_count_once_per_iteration_when_the_trip_count_is_known():
-    program = jaxmp.GpuProgram.from_hlo(_LOOP, "h100")
+    program = jaxmp.debug.GpuProgram.from_hlo(_LOOP, "h100")
     runs = {k.name: k.runs for k in program.kernels}
     # The body's two kernels run 5 times, the condition's compare 6 times.
     assert runs == {"e": 5, "j": 5, "lt": 6}
     assert program.launches == 16
     assert program.unknown_trip_counts == ()
-    unknown = jaxmp.GpuProgram.from_hlo(_LOOP.replace(
+    unknown = jaxmp.debug.GpuProgram.from_hlo(_LOOP.replace(
         ', backend_config={"known_trip_count":{"n":"5"}}', ""), "h100")
     assert unknown.unknown_trip_counts == ("w",)
     assert unknown.launches == 4  # body once, condition twice: and said so
@@ -214,14 +214,14 @@ ENTRY %main (buffer: f32[64,1024], table: f32[64,1024], i: s32[]) -> f32[64,1024
 
 
 def test_bytes_of_slices_and_in_place_updates():
-    take, update = jaxmp.GpuProgram.from_hlo(_IN_PLACE, "h100").kernels
+    take, update = jaxmp.debug.GpuProgram.from_hlo(_IN_PLACE, "h100").kernels
     row = 1024 * 4
     assert (take.read, take.written) == (row + 4, row)  # a row of the table, and the index
     assert (update.read, update.written) == (row + 4, row)  # in place: the buffer is not read
 
 
 def test_estimate_is_the_roofline_of_each_kernel_plus_its_launch():
-    program = jaxmp.GpuProgram.from_hlo(_GEMM, "h100")
+    program = jaxmp.debug.GpuProgram.from_hlo(_GEMM, "h100")
     (kernel,) = program.kernels
     (product,) = program.products
     compute = product.flops / (H100.rates["f16"] * gp.ACHIEVED_RATE)
@@ -233,7 +233,7 @@ def test_estimate_is_the_roofline_of_each_kernel_plus_its_launch():
 
 
 def test_census_text_and_summary():
-    program = jaxmp.GpuProgram.from_hlo(_FLOAT8, "b200")
+    program = jaxmp.debug.GpuProgram.from_hlo(_FLOAT8, "b200")
     text = str(program)
     assert "NVIDIA B200 (sm_100)" in text
     assert "cuBLAS __cublas$lt$matmul$f8 [e4m3 x e5m2 -> f32]" in text
@@ -246,9 +246,9 @@ def test_census_text_and_summary():
 
 def test_bad_input_says_what_is_wrong():
     with pytest.raises(ValueError, match="no ENTRY computation"):
-        jaxmp.GpuProgram.from_hlo("HloModule m\n", "h100")
+        jaxmp.debug.GpuProgram.from_hlo("HloModule m\n", "h100")
     with pytest.raises(ValueError, match="unknown GPU target 'a100'.*'h100', 'b200'"):
-        jaxmp.GpuProgram.from_hlo(_GEMM, "a100")
+        jaxmp.debug.GpuProgram.from_hlo(_GEMM, "a100")
     with pytest.raises(ValueError, match="cannot read this HLO"):
         hlo.parse("ENTRY %main () -> f32[] {\n  this is not HLO\n}\n")
 
@@ -265,7 +265,7 @@ def test_a_missing_cuda_plugin_names_the_fix(monkeypatch):
     try:
         with pytest.raises(RuntimeError, match=r"(?s)no CUDA plugin.*jaxmp\[gpu-compile\].*"
                                                r"JAX_PLATFORMS=cpu"):
-            jaxmp.gpu_program(lambda x: x @ x, jax.ShapeDtypeStruct((8, 8), jnp.float32))
+            jaxmp.debug.gpu_program(lambda x: x @ x, jax.ShapeDtypeStruct((8, 8), jnp.float32))
     finally:
         gp._mesh.cache_clear()
 
@@ -320,7 +320,7 @@ needs_plugin = pytest.mark.skipif(
 
 
 @functools.lru_cache(maxsize=None)
-def _step(model: str, variant: str, target: str) -> jaxmp.GpuProgram:
+def _step(model: str, variant: str, target: str) -> jaxmp.debug.GpuProgram:
     """The program of one training step of the benchmark's tiny models, compiled once."""
     from benchmarks import gpu_program as bench
     with warnings.catch_warnings():
@@ -422,13 +422,13 @@ _X = jax.ShapeDtypeStruct((32, 64), jnp.float32)
 
 
 @functools.lru_cache(maxsize=None)
-def _mlp_step(variant: str, target: str) -> jaxmp.GpuProgram:
+def _mlp_step(variant: str, target: str) -> jaxmp.debug.GpuProgram:
     from benchmarks import gpu_program as bench
     init, step = bench.make_step(_mlp, variant)
     state = jax.eval_shape(init, _W)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return jaxmp.gpu_program(jax.jit(step, donate_argnums=0), state, _X, target=target)
+        return jaxmp.debug.gpu_program(jax.jit(step, donate_argnums=0), state, _X, target=target)
 
 
 @pytest.mark.gpu_program
@@ -508,14 +508,15 @@ def test_flop_tools_count_the_target_program():
     user = jaxmp.mp_value_and_grad(_user_mxfp8, compute_dtype=jnp.bfloat16,
                                    matmul_dtype=jnp.float8_e4m3fn)
     kwargs = {"scaler_state": jaxmp.noop_scaler()}
-    asked = jaxmp.matmul_flops(user, _W, _X, **kwargs)
+    asked = jaxmp.debug.matmul_flops(user, _W, _X, **kwargs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        runs = jaxmp.matmul_flops(user, _W, _X, target="h100", **kwargs)
-        share = jaxmp.float8_matmul_flop_share(user, _W, _X, target="h100", **kwargs)
-        report = jaxmp.precision_report(user, _W, _X, compute_dtype=jnp.bfloat16,
-                                        matmul_dtype=jnp.float8_e4m3fn, target="h100", **kwargs)
-    shortfall = [w for w in caught if w.category is jaxmp.Float8ShortfallWarning
+        runs = jaxmp.debug.matmul_flops(user, _W, _X, target="h100", **kwargs)
+        share = jaxmp.debug.float8_matmul_flop_share(user, _W, _X, target="h100", **kwargs)
+        report = jaxmp.debug.precision_report(user, _W, _X, compute_dtype=jnp.bfloat16,
+                                              matmul_dtype=jnp.float8_e4m3fn, target="h100",
+                                              **kwargs)
+    shortfall = [w for w in caught if w.category is jaxmp.experimental.Float8ShortfallWarning
                  and "XLA runs" in str(w.message)]
     assert len(shortfall) == 1  # said once for the place, however often it is compiled
     # jax 0.12 runs the expanded products in loop fusions, jax 0.10/0.11 as cuBLAS GEMMs on
@@ -526,7 +527,7 @@ def test_flop_tools_count_the_target_program():
     float8 = lambda totals: sum(v for k, v in totals.items() if k.startswith("float8"))
     assert float8(runs) < float8(asked)  # the block-scaled products run widened
     assert sum(runs.values()) == pytest.approx(sum(asked.values()), rel=0.1)
-    assert share < jaxmp.float8_matmul_flop_share(user, _W, _X, **kwargs) == 1.0
+    assert share < jaxmp.debug.float8_matmul_flop_share(user, _W, _X, **kwargs) == 1.0
     assert report.compiled.matmul_flops() == runs and "float8 on tensor cores" in str(report)
 
 
@@ -537,8 +538,8 @@ def test_flop_tools_on_a_target_agree_where_xla_keeps_float8():
                                          matmul_dtype=jnp.float8_e4m3fn)
     kwargs = {"scaler_state": jaxmp.noop_scaler()}
     with warnings.catch_warnings():
-        warnings.simplefilter("error", jaxmp.Float8ShortfallWarning)  # nothing to say
-        program = jaxmp.gpu_program(per_tensor, _W, _X, target="h100", **kwargs)
+        warnings.simplefilter("error", jaxmp.experimental.Float8ShortfallWarning)  # nothing to say
+        program = jaxmp.debug.gpu_program(per_tensor, _W, _X, target="h100", **kwargs)
     assert program.float8_native_share == program.requested_float8_share == 1.0
     assert all(p.float8_native for p in program.products)
     # Padding aside (XLA may pad a float8 GEMM), the GPU runs the products asked for.
@@ -562,7 +563,7 @@ def test_docs_page_runs_and_prints_what_it_shows(capsys):
     # On an H100 "mxfp8" runs the per-tensor recipe's float8 GEMMs, and says so.
     assert (namespace["h100"].float8_native_share, namespace["h100"].requested_float8_share) == (
         1.0, 1.0)
-    assert namespace["caught"][0].category is jaxmp.Float8ShortfallWarning
+    assert namespace["caught"][0].category is jaxmp.experimental.Float8ShortfallWarning
     assert "Hopper, sm_90" in str(namespace["caught"][0].message)
     assert (namespace["asked"], namespace["runs"]) == (1.0, 1.0)
     # The products and shares the page shows are those printed (kernels and bytes depend on
@@ -585,7 +586,7 @@ def test_benchmark_calibration_reads_gpu_compiled_files(tmp_path, capsys):
                         + "\n" + json.dumps({"model": "gpt", "variant": "fp8_jaxmp",
                                              "status": "timeout"}) + "\n")
     (row,) = bench.main(["--calibrate", str(tmp_path), "--measured", str(measured)])
-    estimate = 1e3 * jaxmp.GpuProgram.from_hlo(_GEMM, "h100").estimated_seconds
+    estimate = 1e3 * jaxmp.debug.GpuProgram.from_hlo(_GEMM, "h100").estimated_seconds
     assert row["estimated_ms"] == round(estimate, 2)
     assert row["ratio"] == round(estimate / 0.01, 3)
     assert "| gpt | bf16_jaxmp | 0.01 |" in capsys.readouterr().out

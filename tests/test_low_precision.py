@@ -71,9 +71,9 @@ INNERS = {
 @pytest.mark.parametrize("name", sorted(INNERS))
 def test_state_dtype_applies_to_every_floating_leaf_with_a_shape(name):
     params = _params(jnp.bfloat16)
-    tx = jaxmp.low_precision_optimizer(INNERS[name](), state_dtype=jnp.bfloat16,
-                                       param_rounding="nearest")
-    reference = _standard(INNERS[name]().init, jaxmp.cast_to_float32(params))
+    tx = jaxmp.experimental.low_precision_optimizer(INNERS[name](), state_dtype=jnp.bfloat16,
+                                                    param_rounding="nearest")
+    reference = _standard(INNERS[name]().init, jaxmp.cast_tree(params, jnp.float32))
     state = tx.init(params)
     updates, new_state = jax.jit(tx.update)(_grads(params), state, params)
     for s in (state, new_state):
@@ -93,7 +93,8 @@ def test_state_dtype_applies_to_every_floating_leaf_with_a_shape(name):
 
 
 def test_inject_hyperparams_keeps_the_learning_rate_in_float32():
-    tx = jaxmp.low_precision_optimizer(optax.inject_hyperparams(optax.adam)(learning_rate=3e-4))
+    tx = jaxmp.experimental.low_precision_optimizer(
+        optax.inject_hyperparams(optax.adam)(learning_rate=3e-4))
     state = tx.init(_params())
     lr = state.inner.hyperparams["learning_rate"]
     assert lr.dtype == F32 and float(lr) == float(np.float32(3e-4))
@@ -107,19 +108,20 @@ def test_the_state_forwards_reads_of_the_wrapped_states_fields():
     # Issue 34: nanodo reads state.opt_state.gradient_step (optax.MultiSteps); the wrapper hid it.
     params, grads = _params(), _grads(_params())
     multi = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2)
-    wrapped = jaxmp.low_precision_optimizer(multi)
-    plain_state, state = multi.init(jaxmp.cast_to_float32(params)), wrapped.init(params)
+    wrapped = jaxmp.experimental.low_precision_optimizer(multi)
+    plain_state, state = multi.init(jaxmp.cast_tree(params, jnp.float32)), wrapped.init(params)
     plain_update, update = jax.jit(multi.update), jax.jit(wrapped.update)
     with jax.numpy_dtype_promotion("standard"):  # optax's own arithmetic needs it
         for _ in range(3):
-            _, plain_state = plain_update(jaxmp.cast_to_float32(grads), plain_state,
-                                          jaxmp.cast_to_float32(params))
+            _, plain_state = plain_update(jaxmp.cast_tree(grads, jnp.float32), plain_state,
+                                          jaxmp.cast_tree(params, jnp.float32))
             _, state = update(grads, state, params)
     assert int(state.gradient_step) == int(plain_state.gradient_step) == 1
     assert int(state.mini_step) == int(plain_state.mini_step) == 1
     assert bool(multi.has_updated(state)) == bool(multi.has_updated(plain_state))
     # A schedule's count and inject_hyperparams' hyperparameters, through jit too.
-    tx = jaxmp.low_precision_optimizer(optax.inject_hyperparams(optax.adam)(learning_rate=3e-4))
+    tx = jaxmp.experimental.low_precision_optimizer(
+        optax.inject_hyperparams(optax.adam)(learning_rate=3e-4))
     state = jax.jit(lambda s: tx.update(grads, s, params)[1])(tx.init(params))
     assert int(state.count) == 1
     assert float(state.hyperparams["learning_rate"]) == pytest.approx(3e-4)
@@ -134,7 +136,7 @@ def test_inner_update_runs_in_float32_on_narrowed_state():
     # on moments rounded to bfloat16 between steps (the reference, written out).
     params = _params(jnp.float32)
     adam = optax.adam(1e-2)
-    tx = jaxmp.low_precision_optimizer(optax.adam(1e-2), state_dtype=jnp.bfloat16)
+    tx = jaxmp.experimental.low_precision_optimizer(optax.adam(1e-2), state_dtype=jnp.bfloat16)
     state, ref_state = tx.init(params), _standard(adam.init, params)
     for step in range(3):
         grads = _grads(params, step)
@@ -154,7 +156,7 @@ def test_inner_update_runs_in_float32_on_narrowed_state():
 
 def test_float32_state_dtype_leaves_the_state_as_it_is():
     params = _params(jnp.float32)
-    tx = jaxmp.low_precision_optimizer(optax.adam(1e-2), state_dtype=jnp.float32)
+    tx = jaxmp.experimental.low_precision_optimizer(optax.adam(1e-2), state_dtype=jnp.float32)
     updates, state = tx.update(_grads(params), tx.init(params), params)
     ref_updates, ref_state = _standard(optax.adam(1e-2).update, _grads(params),
                                        _standard(optax.adam(1e-2).init, params), params)
@@ -203,7 +205,7 @@ def _check_applied_exactly(tx, params, grads, state):
 @pytest.mark.parametrize("lr", [1e-4, 1e-2, 0.3])
 def test_nearest_is_round_to_nearest_of_the_float32_sum_bitwise(dtype, lr):
     params, grads, u32 = _sgd_case(dtype, lr)
-    tx = jaxmp.low_precision_optimizer(optax.sgd(lr), param_rounding="nearest")
+    tx = jaxmp.experimental.low_precision_optimizer(optax.sgd(lr), param_rounding="nearest")
     state = tx.init(params)
     expected = jax.tree_util.tree_map(lambda t: t.astype(dtype), _wide_sum(params, u32))
     _assert_bitwise(_check_applied_exactly(tx, params, grads, state), expected)
@@ -226,7 +228,7 @@ def _neighbours(t, dtype):
 @pytest.mark.parametrize("lr", [1e-4, 1e-2, 0.3])
 def test_stochastic_lands_on_a_neighbour_of_the_float32_sum_exactly(dtype, lr):
     params, grads, u32 = _sgd_case(dtype, lr)
-    tx = jaxmp.low_precision_optimizer(optax.sgd(lr), param_rounding="stochastic")
+    tx = jaxmp.experimental.low_precision_optimizer(optax.sgd(lr), param_rounding="stochastic")
     state = tx.init(params)
     applied = _check_applied_exactly(tx, params, grads, state)
     ups = 0
@@ -244,7 +246,7 @@ def test_stochastic_lands_on_a_neighbour_of_the_float32_sum_exactly(dtype, lr):
 @pytest.mark.parametrize("lr", [1e-4, 1e-2, 0.3])
 def test_kahan_keeps_exactly_what_rounding_lost(dtype, lr):
     params, grads, u32 = _sgd_case(dtype, lr)
-    tx = jaxmp.low_precision_optimizer(optax.sgd(lr), param_rounding="kahan")
+    tx = jaxmp.experimental.low_precision_optimizer(optax.sgd(lr), param_rounding="kahan")
     state = tx.init(params)
     applied = _check_applied_exactly(tx, params, grads, state)
     # The first step has no compensation yet: the parameter is the nearest value ...
@@ -371,8 +373,8 @@ def test_stochastic_bits_differ_per_element_and_per_step_and_follow_the_seed():
     grads = {"w": jnp.full((4, 256), 1.0, jnp.bfloat16)}
 
     def run(seed, steps=2):
-        tx = jaxmp.low_precision_optimizer(optax.sgd(2.0**-10), param_rounding="stochastic",
-                                           seed=seed)
+        tx = jaxmp.experimental.low_precision_optimizer(optax.sgd(2.0**-10),
+                                                        param_rounding="stochastic", seed=seed)
         state, outs = tx.init(params), []
         for _ in range(steps):
             updates, new_state = tx.update(grads, state, params)  # same params every step
@@ -404,7 +406,7 @@ def test_many_small_updates_follow_the_float32_sum(dtype):
     reference = float(np.float32(1.0) - np.float32(steps * lr))
     finals = {}
     for rounding in ROUNDINGS:
-        tx = jaxmp.low_precision_optimizer(optax.sgd(lr), param_rounding=rounding)
+        tx = jaxmp.experimental.low_precision_optimizer(optax.sgd(lr), param_rounding=rounding)
 
         def body(carry, _):
             p, s = carry
@@ -432,7 +434,7 @@ def test_float32_params_pass_through_and_mixed_trees():
     grads = {"f32": jnp.full((8,), 1e-2, jnp.float32), "bf16": jnp.full((8,), 1e-2, jnp.bfloat16),
              "step": None}
     for rounding in ROUNDINGS:
-        tx = jaxmp.low_precision_optimizer(optax.sgd(1e-2), param_rounding=rounding)
+        tx = jaxmp.experimental.low_precision_optimizer(optax.sgd(1e-2), param_rounding=rounding)
         state = tx.init(floats)
         if rounding == "kahan":
             assert state.compensation["f32"] is None
@@ -457,7 +459,7 @@ def _train(tx, params, steps, start=0):
 
 @pytest.mark.parametrize("rounding", ROUNDINGS)
 def test_a_skipped_step_changes_nothing(rounding):
-    tx = jaxmp.low_precision_optimizer(optax.adamw(1e-3), param_rounding=rounding)
+    tx = jaxmp.experimental.low_precision_optimizer(optax.adamw(1e-3), param_rounding=rounding)
     params, state = _train(tx, _params(), 3)
     grads = _grads(params, 99)
     skip = jax.jit(lambda p, s, g, f: jaxmp.optimizer_update(p, tx, s, g, f, return_applied=True))
@@ -483,7 +485,7 @@ def test_a_skipped_step_changes_nothing(rounding):
 @pytest.mark.parametrize("rounding", ROUNDINGS)
 def test_scan_equals_a_loop_of_jitted_steps(rounding):
     inner = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
-    tx = jaxmp.low_precision_optimizer(inner, param_rounding=rounding)
+    tx = jaxmp.experimental.low_precision_optimizer(inner, param_rounding=rounding)
     params = _params()
     grads = jax.random.normal(jax.random.key(9), (6, 4))
 
@@ -515,8 +517,8 @@ def test_gradient_accumulation():
     k1, k2 = jax.random.split(jax.random.key(5))
     x, y = jax.random.normal(k1, (16, 64)), jax.random.normal(k2, (16, 4))
     params = _params(jnp.bfloat16)
-    ref_params = jaxmp.cast_to_float32(params)
-    tx = jaxmp.low_precision_optimizer(optax.adam(1e-2), param_rounding="kahan")
+    ref_params = jaxmp.cast_tree(params, jnp.float32)
+    tx = jaxmp.experimental.low_precision_optimizer(optax.adam(1e-2), param_rounding="kahan")
     # autocast=False: the float32 batch is cast to the parameters' bfloat16 (under the
     # suite's strict promotion the loss cannot mix them itself).
     grad_fn = jaxmp.accumulate_value_and_grad(loss, 4, batch_argnums=(1, 2),
@@ -535,7 +537,7 @@ def test_gradient_accumulation():
 
 def test_extra_arguments_reach_the_inner_optimizer():
     inner = optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau(patience=0, factor=0.5))
-    tx = jaxmp.low_precision_optimizer(inner, param_rounding="nearest")
+    tx = jaxmp.experimental.low_precision_optimizer(inner, param_rounding="nearest")
     params = {"w": jnp.ones((2,), jnp.float32)}
     state = tx.init(params)
     for value in (1.0, 2.0, 3.0):  # the loss does not improve: the scale halves
@@ -558,7 +560,7 @@ def mesh():
 @pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
 def test_jit_sharding_gives_the_unsharded_result_bitwise(mesh, rounding):
     params = {"w": jnp.ones((32, 8), jnp.bfloat16), "b": jnp.ones((8,), jnp.bfloat16)}
-    tx = jaxmp.low_precision_optimizer(optax.adam(2.0**-10), param_rounding=rounding)
+    tx = jaxmp.experimental.low_precision_optimizer(optax.adam(2.0**-10), param_rounding=rounding)
     step = jax.jit(lambda p, s, g: jaxmp.optimizer_update(p, tx, s, g, TRUE))
     grads = _grads(params)
     single = step(params, tx.init(params), grads)
@@ -575,7 +577,8 @@ def test_jit_sharding_gives_the_unsharded_result_bitwise(mesh, rounding):
 
 def test_shard_map_data_parallel_equals_unsharded(mesh):
     params = _params()
-    tx = jaxmp.low_precision_optimizer(optax.adam(2.0**-10), param_rounding="stochastic")
+    tx = jaxmp.experimental.low_precision_optimizer(optax.adam(2.0**-10),
+                                                    param_rounding="stochastic")
     x = jax.random.normal(jax.random.key(2), (16, 64))
 
     def loss(p, x):
@@ -588,7 +591,7 @@ def test_shard_map_data_parallel_equals_unsharded(mesh):
         return jaxmp.optimizer_update(p, tx, s, grads, finite)
 
     single = jax.jit(lambda p, s, x: jaxmp.optimizer_update(
-        p, tx, s, jax.grad(lambda q: loss(jaxmp.cast_to_float32(q), x))(p), TRUE))(
+        p, tx, s, jax.grad(lambda q: loss(jaxmp.cast_tree(q, jnp.float32), x))(p), TRUE))(
         params, tx.init(params), x)
     per_device = jax.jit(jax.shard_map(
         lambda p, s, x: jax.tree_util.tree_map(lambda v: v[None], step(p, s, x)),
@@ -605,7 +608,8 @@ def test_shard_map_data_parallel_equals_unsharded(mesh):
 
 def test_shard_map_sharded_parameters_get_their_own_bits(mesh):
     params = {"w": jnp.ones((NUM * 64,), jnp.bfloat16)}
-    tx = jaxmp.low_precision_optimizer(optax.sgd(2.0**-10), param_rounding="stochastic")
+    tx = jaxmp.experimental.low_precision_optimizer(optax.sgd(2.0**-10),
+                                                    param_rounding="stochastic")
     grads = {"w": jnp.ones_like(params["w"])}
 
     def step(p, s, g):
@@ -629,7 +633,7 @@ def test_shard_map_sharded_parameters_get_their_own_bits(mesh):
 def test_orbax_restart_is_bit_identical(tmp_path, rounding):
     inner = optax.chain(optax.clip_by_global_norm(1.0),
                         optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3))
-    tx = jaxmp.low_precision_optimizer(inner, param_rounding=rounding, seed=3)
+    tx = jaxmp.experimental.low_precision_optimizer(inner, param_rounding=rounding, seed=3)
     uninterrupted = _train(tx, _params(), 6)
     params, state = _train(tx, _params(), 3)
     checkpointer = ocp.StandardCheckpointer()
@@ -639,7 +643,7 @@ def test_orbax_restart_is_bit_identical(tmp_path, rounding):
                                     (_params(), tx.init(_params())))
     params, state = checkpointer.restore(tmp_path / "ckpt", target)
     checkpointer.close()
-    assert isinstance(state, jaxmp.LowPrecisionState)
+    assert isinstance(state, jaxmp.experimental.LowPrecisionState)
     step = jax.jit(lambda p, s, g: jaxmp.optimizer_update(p, tx, s, g, TRUE))
     for i in range(3, 6):
         params, state = step(params, state, _grads(params, i))
@@ -651,16 +655,16 @@ def test_orbax_restart_is_bit_identical(tmp_path, rounding):
 
 def test_clear_errors():
     with pytest.raises(ValueError, match="state_dtype must be a floating-point dtype.*int32"):
-        jaxmp.low_precision_optimizer(optax.adam(1e-3), state_dtype=jnp.int32)
+        jaxmp.experimental.low_precision_optimizer(optax.adam(1e-3), state_dtype=jnp.int32)
     with pytest.raises(ValueError, match="state_dtype.*None"):
-        jaxmp.low_precision_optimizer(optax.adam(1e-3), state_dtype=None)
+        jaxmp.experimental.low_precision_optimizer(optax.adam(1e-3), state_dtype=None)
     with pytest.raises(ValueError, match="param_rounding must be one of.*'nearest'.*'round'"):
-        jaxmp.low_precision_optimizer(optax.adam(1e-3), param_rounding="round")
+        jaxmp.experimental.low_precision_optimizer(optax.adam(1e-3), param_rounding="round")
     with pytest.raises(TypeError, match="seed must be an integer"):
-        jaxmp.low_precision_optimizer(optax.adam(1e-3), seed=0.5)
+        jaxmp.experimental.low_precision_optimizer(optax.adam(1e-3), seed=0.5)
     with pytest.raises(TypeError, match="wraps an optax transformation.*function"):
-        jaxmp.low_precision_optimizer(optax.adam)
-    tx = jaxmp.low_precision_optimizer(optax.adam(1e-3), param_rounding="kahan")
+        jaxmp.experimental.low_precision_optimizer(optax.adam)
+    tx = jaxmp.experimental.low_precision_optimizer(optax.adam(1e-3), param_rounding="kahan")
     state = tx.init(_params())
     with pytest.raises(ValueError, match="needs the parameters"):
         tx.update(_grads(_params()), state)

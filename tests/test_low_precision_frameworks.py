@@ -105,8 +105,8 @@ def test_haiku_batchnorm_state_keeps_the_dtype_it_was_initialised_in(init_dtype)
     x, y = _images()
     params, state = _haiku.init(jax.random.key(0), x.astype(init_dtype), True)
     init_dtypes = jax.tree_util.tree_map(lambda a: a.dtype, state)
-    params = jaxmp.cast_to_bfloat16(params)
-    tx = jaxmp.low_precision_optimizer(optax.adam(LR), param_rounding="stochastic")
+    params = jaxmp.cast_tree(params, jnp.bfloat16)
+    tx = jaxmp.experimental.low_precision_optimizer(optax.adam(LR), param_rounding="stochastic")
     opt_state = tx.init(params)
     grad_fn = jaxmp.mp_value_and_grad(_haiku_loss, has_aux=True, no_cast_argnums=1,
                                       compute_dtype=jnp.bfloat16)
@@ -145,8 +145,8 @@ def test_haiku_state_cast_by_the_user_comes_back_in_its_dtype():
     # no_cast_argnums, came back float32 from the step and select_tree refused it.
     x, y = _images()
     params, state32 = _haiku.init(jax.random.key(0), x, True)
-    params, state = jaxmp.cast_to_bfloat16((params, state32))
-    tx = jaxmp.low_precision_optimizer(optax.adam(LR), param_rounding="nearest")
+    params, state = jaxmp.cast_tree((params, state32), jnp.bfloat16)
+    tx = jaxmp.experimental.low_precision_optimizer(optax.adam(LR), param_rounding="nearest")
     grad_fn = jaxmp.mp_value_and_grad(_haiku_loss, has_aux=True, compute_dtype=jnp.bfloat16)
 
     @functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
@@ -159,7 +159,7 @@ def test_haiku_state_cast_by_the_user_comes_back_in_its_dtype():
     with jax.numpy_dtype_promotion("standard"):  # Haiku's moving averages need it
         _, new_state, _ = step(params, state, tx.init(params))
         _, reference = jax.jit(_haiku.apply, static_argnums=4)(
-            jaxmp.cast_to_float32(params), state32, None, x, True)
+            jaxmp.cast_tree(params, jnp.float32), state32, None, x, True)
     assert _dtypes(new_state) == {BF16}
     for got, want in zip(jax.tree_util.tree_leaves(new_state),
                          jax.tree_util.tree_leaves(reference)):
@@ -202,7 +202,7 @@ def test_select_tree_names_the_leaf_and_the_fix_when_state_changed_dtype():
     message = str(info.value)
     assert "['batch_norm']['average']" in message
     assert "float32[1, 1, 1, 16]" in message and "bfloat16[1, 1, 1, 16]" in message
-    assert "jaxmp.cast_to_float32" in message and "n.astype(o.dtype)" in message
+    assert "jaxmp.cast_tree(state, jnp.float32)" in message and "n.astype(o.dtype)" in message
 
 
 # Equinox: float32 noise and time drawn inside the loss, bfloat16 parameters. -----------------
@@ -254,13 +254,13 @@ def _eqx_train(model, tx, grad_fn, x, scaler=None):
 def test_equinox_noise_drawn_in_the_loss_trains_bfloat16_parameters():
     x = jax.random.normal(jax.random.key(1), (4, 3, 6, 6))
     model32 = _EqxNet(jax.random.key(0))
-    model = jaxmp.cast_to_bfloat16(model32)
-    tx = jaxmp.low_precision_optimizer(optax.adam(LR), param_rounding="kahan")
+    model = jaxmp.cast_tree(model32, jnp.bfloat16)
+    tx = jaxmp.experimental.low_precision_optimizer(optax.adam(LR), param_rounding="kahan")
     grad_fn = jaxmp.mp_value_and_grad(_eqx_loss, compute_dtype=jnp.bfloat16)
     scaler = jaxmp.noop_scaler()
 
     # Every product, forward and backward, runs in bfloat16.
-    flops = jaxmp.matmul_flops(
+    flops = jaxmp.debug.matmul_flops(
         lambda m: grad_fn(m, x, jax.random.key(0), scaler_state=scaler)[1], model)
     assert set(flops) == {"bfloat16"} and flops["bfloat16"] > 0
     grads = jax.eval_shape(
@@ -284,12 +284,12 @@ def test_equinox_noise_drawn_in_the_loss_trains_bfloat16_parameters():
 def _eqx_reference_loss(loss_fn, model, *args):
     """The loss of ``model``'s parameters in float32."""
     with jax.numpy_dtype_promotion("standard"):
-        return loss_fn(jaxmp.cast_to_float32(model), *args)
+        return loss_fn(jaxmp.cast_tree(model, jnp.float32), *args)
 
 
 def test_float32_views_keep_gradient_accumulation_in_the_parameters_dtype():
     x = jax.random.normal(jax.random.key(1), (4, 3, 6, 6))
-    model = jaxmp.cast_to_bfloat16(_EqxNet(jax.random.key(0)))
+    model = jaxmp.cast_tree(_EqxNet(jax.random.key(0)), jnp.bfloat16)
     keys = jax.random.split(jax.random.key(3), 4)  # one key per example: split with the batch
 
     def loss_fn(model, x, keys):
@@ -336,9 +336,9 @@ def _linen_step(grad_fn):
 def test_linen_train_state_created_with_the_cast_parameters():
     model, (x, y) = _LinenMLP(), _linen_data()
     params32 = model.init(jax.random.key(0), x)["params"]
-    tx = jaxmp.low_precision_optimizer(optax.adam(LR), param_rounding="stochastic")
+    tx = jaxmp.experimental.low_precision_optimizer(optax.adam(LR), param_rounding="stochastic")
     state = train_state.TrainState.create(
-        apply_fn=model.apply, params=jaxmp.cast_to_bfloat16(params32), tx=tx)
+        apply_fn=model.apply, params=jaxmp.cast_tree(params32, jnp.bfloat16), tx=tx)
     grad_fn = jaxmp.mp_value_and_grad(
         lambda p, apply_fn, x, y: _linen_loss(p, apply_fn, x, y), compute_dtype=jnp.bfloat16)
     step = _linen_step(grad_fn)
@@ -369,16 +369,17 @@ def test_linen_train_state_created_on_float32_parameters():
     """tx.init on float32 parameters, then cast: the same state for these roundings; Kahan refuses."""
     model, (x, _) = _LinenMLP(), _linen_data()
     params32 = model.init(jax.random.key(0), x)["params"]
-    params16 = jaxmp.cast_to_bfloat16(params32)
+    params16 = jaxmp.cast_tree(params32, jnp.bfloat16)
     for rounding in ("nearest", "stochastic"):
-        tx = jaxmp.low_precision_optimizer(optax.adam(LR), param_rounding=rounding)
+        tx = jaxmp.experimental.low_precision_optimizer(optax.adam(LR), param_rounding=rounding)
         state = train_state.TrainState.create(apply_fn=model.apply, params=params32, tx=tx)
         _assert_bitwise(state.opt_state, tx.init(params16))
-    tx = jaxmp.low_precision_optimizer(optax.adam(LR), param_rounding="kahan")
+    tx = jaxmp.experimental.low_precision_optimizer(optax.adam(LR), param_rounding="kahan")
     state = train_state.TrainState.create(apply_fn=model.apply, params=params32, tx=tx)
     state = state.replace(params=params16)
     grads = jax.tree_util.tree_map(jnp.ones_like, params16)
-    with pytest.raises(ValueError, match=r"TrainState.create\(.*params=jaxmp.cast_to_bfloat16"):
+    with pytest.raises(ValueError,
+                       match=r"TrainState.create\(.*params=jaxmp.cast_tree\(params, jnp.bfloat16\)"):
         jaxmp.optimizer_update(state.params, state.tx, state.opt_state, grads, jnp.asarray(True))
 
 
@@ -402,8 +403,8 @@ def test_nnx_optimizer_with_low_precision_optimizer():
     x, y = _linen_data()
     model = _NnxMLP(nnx.Rngs(0))
     params32 = jax.tree_util.tree_map(jnp.array, nnx.state(model, nnx.Param))
-    nnx.update(model, jaxmp.cast_to_bfloat16(nnx.state(model, nnx.Param)))
-    tx = jaxmp.low_precision_optimizer(optax.adam(LR), param_rounding="stochastic")
+    nnx.update(model, jaxmp.cast_tree(nnx.state(model, nnx.Param), jnp.bfloat16))
+    tx = jaxmp.experimental.low_precision_optimizer(optax.adam(LR), param_rounding="stochastic")
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     grad_fn = jaxmp.mp_value_and_grad(_nnx_loss, compute_dtype=jnp.bfloat16)
 
@@ -450,10 +451,10 @@ def test_nnx_optimizer_with_low_precision_optimizer():
     ("stochastic", 6, 8), ("kahan", 8, 10)])
 def test_bytes_per_parameter_with_accumulation(rounding, fewest, multisteps_inside):
     model, (x, y) = _LinenMLP(), _linen_data()
-    params = jaxmp.cast_to_bfloat16(model.init(jax.random.key(0), x)["params"])
+    params = jaxmp.cast_tree(model.init(jax.random.key(0), x)["params"], jnp.bfloat16)
     n = _size(params)
     adam = optax.adam(LR)
-    lp = lambda inner: jaxmp.low_precision_optimizer(inner, param_rounding=rounding)
+    lp = lambda inner: jaxmp.experimental.low_precision_optimizer(inner, param_rounding=rounding)
     per_param = lambda tx: _bytes((params, tx.init(params))) / n
     # accumulate_value_and_grad: the accumulator lives inside the step only.
     assert per_param(lp(adam)) == fewest
@@ -471,8 +472,9 @@ def test_bytes_per_parameter_with_accumulation(rounding, fewest, multisteps_insi
 
 def test_multisteps_inside_low_precision_optimizer_trains_and_skips():
     model, (x, y) = _LinenMLP(), _linen_data()
-    params = jaxmp.cast_to_bfloat16(model.init(jax.random.key(0), x)["params"])
-    tx = jaxmp.low_precision_optimizer(optax.MultiSteps(optax.adam(LR), every_k_schedule=2))
+    params = jaxmp.cast_tree(model.init(jax.random.key(0), x)["params"], jnp.bfloat16)
+    tx = jaxmp.experimental.low_precision_optimizer(
+        optax.MultiSteps(optax.adam(LR), every_k_schedule=2))
     opt_state = tx.init(params)
     grad_fn = jaxmp.mp_value_and_grad(_linen_loss, compute_dtype=jnp.bfloat16)
 
@@ -484,7 +486,7 @@ def test_multisteps_inside_low_precision_optimizer_trains_and_skips():
         return params, opt_state, loss
 
     reference = optax.MultiSteps(optax.adam(LR), every_k_schedule=2)
-    ref_params = jaxmp.cast_to_float32(params)
+    ref_params = jaxmp.cast_tree(params, jnp.float32)
     ref_state = reference.init(ref_params)
 
     @jax.jit
@@ -507,7 +509,7 @@ def test_multisteps_inside_low_precision_optimizer_trains_and_skips():
         params, opt_state, _ = step(params, opt_state, x[:4], y[:4])
         params, opt_state, _ = step(params, opt_state, x[4:], y[4:])
     with jax.numpy_dtype_promotion("standard"):
-        loss = _linen_loss(jaxmp.cast_to_float32(params), model.apply, x, y)
+        loss = _linen_loss(jaxmp.cast_tree(params, jnp.float32), model.apply, x, y)
         ref_loss = _linen_loss(ref_params, model.apply, x, y)
     assert float(loss) < float(first)
     _near(loss, ref_loss)

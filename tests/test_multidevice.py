@@ -523,7 +523,7 @@ def test_widened_products_have_the_same_gradients(spec):
     wide = wide_gradients.widen_gradient_products(loss, jnp.float32)
     assert "preferred_element_type=float32" in str(jax.make_jaxpr(jax.grad(wide, (0, 1)))(a, b))
     # Operands stay float16 (tensor cores); only the products' outputs are float32.
-    assert jaxmp.half_matmul_flop_share(jax.grad(wide, (0, 1)), a, b) == 1.0
+    assert jaxmp.debug.half_matmul_flop_share(jax.grad(wide, (0, 1)), a, b) == 1.0
     got = jax.value_and_grad(wide, (0, 1))(a, b)
     want = jax.value_and_grad(loss, (0, 1))(a, b)
     assert got[0] == want[0]  # the forward pass is untouched

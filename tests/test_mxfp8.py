@@ -254,7 +254,7 @@ def test_cpu_runs_the_emulation_in_float8_dot_generals():
     w, x = jnp.ones((64, 32)), jnp.ones((32, 64))
     text = jax.jit(_grad_step).trace(w, x).lower(lowering_platforms=("cpu",)).as_text()
     assert "custom_call" not in text
-    assert jaxmp.matmul_flops(_grad_step, w, x, platform="cpu") == {
+    assert jaxmp.debug.matmul_flops(_grad_step, w, x, platform="cpu") == {
         "float8_e4m3fn": 3 * 2 * 32 * 64 * 32}
 
 
@@ -311,7 +311,8 @@ def test_padding_and_per_tensor_convolutions_are_reported():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         jax.eval_shape(_mx_fn(fn, jnp.bfloat16), w, k, x, images)
-    said = [str(c.message) for c in caught if c.category is jaxmp.Float8ShortfallWarning]
+    said = [str(c.message) for c in caught
+            if c.category is jaxmp.experimental.Float8ShortfallWarning]
     assert len(said) == 2, said  # no backward products are computed: nothing more to say
     assert any("contracts 40 elements, padded to 64" in m and "forward product" in m
                for m in said), said
@@ -320,7 +321,8 @@ def test_padding_and_per_tensor_convolutions_are_reported():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         jax.eval_shape(_mx_fn(fn, jnp.bfloat16,
-                              float8_rules=jaxmp.Float8Rules(primitives={"dot_general"})),
+                              float8_rules=jaxmp.experimental.Float8Rules(
+                                  primitives={"dot_general"})),
                        w, k, x, images)
     assert ["padded" in str(c.message) for c in caught] == [True]
 
@@ -341,10 +343,10 @@ def test_the_padding_figure_is_the_flop_tools_figure():
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        padded = sum(jaxmp.matmul_flops(step("mxfp8"), p, x).values())
+        padded = sum(jaxmp.debug.matmul_flops(step("mxfp8"), p, x).values())
     said = [str(c.message) for c in caught if "pads contracting" in str(c.message)]
     assert len(said) == 1, said
-    exact = sum(jaxmp.matmul_flops(step("tensor"), p, x).values())
+    exact = sum(jaxmp.debug.matmul_flops(step("tensor"), p, x).values())
     assert padded > exact
     assert f"{padded / exact - 1:.1%} more float8 matrix-product FLOPs" in said[0]
 
@@ -355,7 +357,7 @@ def test_convolutions_keep_the_per_tensor_product():
     tensor = jaxmp.autocast(loss, F32, matmul_dtype=E4M3)
     mx = jaxmp.autocast(loss, F32, matmul_dtype=E4M3, float8_scaling="mxfp8")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", jaxmp.Float8ShortfallWarning)
+        warnings.simplefilter("ignore", jaxmp.experimental.Float8ShortfallWarning)
         program = str(jax.make_jaxpr(mx)(k, images))
     assert program == str(jax.make_jaxpr(tensor)(k, images))  # the same program
     assert "conv_general_dilated" in program and "platform_index" not in program
@@ -380,7 +382,8 @@ def test_invalid_float8_scaling_raises_with_the_fix(api, kwargs, message):
         elif api == "accumulate_value_and_grad":
             jaxmp.accumulate_value_and_grad(_matmul, 2, compute_dtype=jnp.bfloat16, **kwargs)
         else:
-            getattr(jaxmp, api)(_matmul, compute_dtype=jnp.bfloat16, **kwargs)
+            module = jaxmp.debug if api == "find_nonfinite" else jaxmp
+            getattr(module, api)(_matmul, compute_dtype=jnp.bfloat16, **kwargs)
 
 
 def test_find_nonfinite_checks_the_mxfp8_step():
@@ -391,8 +394,8 @@ def test_find_nonfinite_checks_the_mxfp8_step():
     # x @ w is about 6.4e4 .. 9.6e4; its inf reaches the loss (a tanh would saturate it to
     # float32's value, an overflow that changes nothing, which find_nonfinite does not report).
     loss = lambda w, x: jnp.mean((x @ w) / 1e4)
-    report = jaxmp.find_nonfinite(loss, matmul_dtype=E4M3, float8_scaling="mxfp8",
-                                  compute_dtype=jnp.float16)(w, big)
+    report = jaxmp.debug.find_nonfinite(loss, matmul_dtype=E4M3, float8_scaling="mxfp8",
+                                        compute_dtype=jnp.float16)(w, big)
     first = report.findings[0]
     assert (first.phase, first.kind, first.dtype) == ("forward", "overflow", "float16")
     assert "test_mxfp8.py" in first.where and first.float32_max > 65504
@@ -435,7 +438,7 @@ def test_mp_value_and_grad_and_accumulate_run_mxfp8_and_match_float32():
 def _run_checking_mxfp8(step, *args, layers):
     """Runs ``step`` on CPU, checking that every product is an MXFP8 product, on CPU and CUDA:
     for ``layers`` dense layers, the forward product and its two backward products each."""
-    flops = jaxmp.matmul_flops(step, *args, platform="cpu")
+    flops = jaxmp.debug.matmul_flops(step, *args, platform="cpu")
     assert list(flops) == ["float8_e4m3fn"], flops
     traced = jax.jit(step).trace(*args)
     cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
@@ -548,7 +551,8 @@ def test_mxfp8_traced_for_a_hopper_gpu_runs_the_per_tensor_recipe_and_says_so():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         program = str(jax.make_jaxpr(grad("mxfp8"))(*h100))
-    said = [str(c.message) for c in caught if c.category is jaxmp.Float8ShortfallWarning]
+    said = [str(c.message) for c in caught
+            if c.category is jaxmp.experimental.Float8ShortfallWarning]
     assert len(said) == 1 and "NVIDIA H100 80GB HBM3 (Hopper, sm_90)" in said[0], said
     assert "'tensor' recipe" in said[0]
     # The same program (jax 0.8 prints the addresses of functions in parameters: not compared).
@@ -557,6 +561,6 @@ def test_mxfp8_traced_for_a_hopper_gpu_runs_the_per_tensor_recipe_and_says_so():
     assert "platform_index" not in program
     b200 = _on("NVIDIA B200", 148, (64, 32), (32, 64))
     with warnings.catch_warnings():
-        warnings.simplefilter("error", jaxmp.Float8ShortfallWarning)
+        warnings.simplefilter("error", jaxmp.experimental.Float8ShortfallWarning)
         program = str(jax.make_jaxpr(grad("mxfp8"))(*b200))
     assert program.count("platform_index") == 3  # the block-scaled dot, forward and backward

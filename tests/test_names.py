@@ -128,8 +128,8 @@ def _steps(model, options):
             (lambda p, x: grad_fn(p, x, scaler_state=jaxmp.noop_scaler())), params, x)
 
 
-@pytest.mark.filterwarnings("ignore::jaxmp.MostlyFloat32Warning",
-                            "ignore::jaxmp.Float8ShortfallWarning")
+@pytest.mark.filterwarnings("ignore::jaxmp.debug.MostlyFloat32Warning",
+                            "ignore::jaxmp.experimental.Float8ShortfallWarning")
 @pytest.mark.parametrize("model,variant", [
     # MXFP8 on two models, with the slow tests (the suite's time): its layer paths are those
     # of the float8 variant, under JAX's per-platform wrappers.
@@ -157,7 +157,7 @@ def test_the_layer_paths_reach_the_compiled_programs_op_names():
 
 
 @pytest.mark.slow
-@pytest.mark.filterwarnings("ignore::jaxmp.Float8ShortfallWarning")
+@pytest.mark.filterwarnings("ignore::jaxmp.experimental.Float8ShortfallWarning")
 def test_the_layer_paths_reach_the_compiled_mxfp8_programs_op_names():
     """Issue 34: MXFP8 products keep their layer paths in the compiled program (on the CPU,
     dot_generals of the emulation under JAX's cond/branch_0_fun)."""

@@ -37,7 +37,7 @@ def exp_loss(w, x):
 
 def test_forward_exp_overflow_names_exp_and_the_line():
     w, x = jnp.full((4,), 3.0), jnp.ones((2, 4))  # exp(12) = 162755 > 65504
-    report = jaxmp.find_nonfinite(exp_loss, autocast=False, compute_dtype=jnp.float16)(w, x)
+    report = jaxmp.debug.find_nonfinite(exp_loss, autocast=False, compute_dtype=jnp.float16)(w, x)
     assert bool(report)
     first = _overflows(report)[0]
     assert (first.phase, first.primitive) == ("forward", "exp")
@@ -73,8 +73,8 @@ def test_layer_norm_case_names_the_backward_pass_and_the_rsqrt_line():
     tokens = jnp.arange(12) % 32
     params = _ln_params()
     # The forward pass is fine: the loss agrees with float32.
-    report = jaxmp.find_nonfinite(ln_loss, autocast=False,
-                                  compute_dtype=jnp.float16)(params, tokens)
+    report = jaxmp.debug.find_nonfinite(ln_loss, autocast=False,
+                                        compute_dtype=jnp.float16)(params, tokens)
     assert bool(report)
     assert not report.forward
     first = _overflows(report)[0]
@@ -84,13 +84,13 @@ def test_layer_norm_case_names_the_backward_pass_and_the_rsqrt_line():
     assert "no scale fixes it" in first.hint and "autocast=True" in first.hint
     np.testing.assert_allclose(report.loss, report.loss_float32, rtol=1e-2)
     # Not a matter of the scale: the same at scale 1.
-    at_one = jaxmp.find_nonfinite(ln_loss, autocast=False,
-                                  compute_dtype=jnp.float16)(
-                                      params, tokens, scaler_state=jaxmp.static_scaler(1.0))
+    at_one = jaxmp.debug.find_nonfinite(ln_loss, autocast=False,
+                                        compute_dtype=jnp.float16)(
+                                            params, tokens, scaler_state=jaxmp.static_scaler(1.0))
     assert _overflows(at_one)[0].where == first.where
     # The fix the hint names removes it.
-    assert not jaxmp.find_nonfinite(ln_loss, autocast=True,
-                                    compute_dtype=jnp.float16)(params, tokens)
+    assert not jaxmp.debug.find_nonfinite(ln_loss, autocast=True,
+                                          compute_dtype=jnp.float16)(params, tokens)
 
 
 def test_report_agrees_with_a_stuck_training_step():
@@ -104,9 +104,9 @@ def test_report_agrees_with_a_stuck_training_step():
                                                   compute_dtype=jnp.float16)(
         _ln_params(stddev=1.0), tokens, scaler_state=jaxmp.static_scaler(1.0))
     assert bool(finite)
-    assert not jaxmp.find_nonfinite(ln_loss, autocast=False,
-                                    compute_dtype=jnp.float16)(_ln_params(stddev=1.0), tokens,
-                                             scaler_state=jaxmp.static_scaler(1.0))
+    assert not jaxmp.debug.find_nonfinite(ln_loss, autocast=False,
+                                          compute_dtype=jnp.float16)(_ln_params(stddev=1.0), tokens,
+                                                   scaler_state=jaxmp.static_scaler(1.0))
 
 
 def test_clean_function_gives_an_empty_report():
@@ -115,9 +115,9 @@ def test_clean_function_gives_an_empty_report():
 
     w = jax.random.normal(jax.random.key(0), (4, 3))
     x = jax.random.normal(jax.random.key(1), (5, 4))
-    report = jaxmp.find_nonfinite(loss_fn, autocast=False,
-                                  compute_dtype=jnp.float16)(
-                                      w, x, scaler_state=jaxmp.init_scaler(2.0**8))
+    report = jaxmp.debug.find_nonfinite(loss_fn, autocast=False,
+                                        compute_dtype=jnp.float16)(
+                                            w, x, scaler_state=jaxmp.init_scaler(2.0**8))
     assert not report and len(report) == 0 and report.findings == ()
     assert "No operation" in str(report)
     np.testing.assert_allclose(report.loss, float(loss_fn(w, x)), rtol=1e-2)
@@ -127,13 +127,14 @@ def test_scaled_backward_overflow_is_blamed_on_the_scale():
     def loss_fn(w):
         return jnp.sum(w * w)  # gradient 2 * 32768 = 65536 > 65504
 
-    report = jaxmp.find_nonfinite(loss_fn, autocast=False, compute_dtype=jnp.float16)(jnp.ones(3))
+    report = jaxmp.debug.find_nonfinite(loss_fn, autocast=False,
+                                        compute_dtype=jnp.float16)(jnp.ones(3))
     first = _overflows(report)[0]
     assert first.phase == "backward" and first.scale_dependent
     assert "smaller loss scale" in first.hint
-    assert not jaxmp.find_nonfinite(loss_fn, autocast=False,
-                                    compute_dtype=jnp.float16)(
-                                        jnp.ones(3), scaler_state=jaxmp.static_scaler(2.0**14))
+    assert not jaxmp.debug.find_nonfinite(loss_fn, autocast=False,
+                                          compute_dtype=jnp.float16)(
+        jnp.ones(3), scaler_state=jaxmp.static_scaler(2.0**14))
 
 
 def test_forward_underflow_is_reported_as_such():
@@ -141,9 +142,9 @@ def test_forward_underflow_is_reported_as_such():
         tiny = (x * 1e-4) * w  # 1e-8 is below float16's smallest subnormal (6e-8)
         return jnp.sum(tiny.astype(jnp.float32)) * 1e4
 
-    report = jaxmp.find_nonfinite(loss_fn, autocast=False,
-                                  compute_dtype=jnp.float16)(jnp.full((3,), 1e-4), jnp.ones(3),
-                                           scaler_state=jaxmp.static_scaler(1.0))
+    report = jaxmp.debug.find_nonfinite(loss_fn, autocast=False,
+                                        compute_dtype=jnp.float16)(
+        jnp.full((3,), 1e-4), jnp.ones(3), scaler_state=jaxmp.static_scaler(1.0))
     assert not report  # no inf or NaN
     (under,) = [f for f in report.findings if f.kind == "underflow" and f.phase == "forward"]
     assert under.primitive == "mul" and under.where.startswith(_line_of(loss_fn, "tiny ="))
@@ -155,15 +156,15 @@ def test_backward_underflow_at_a_small_scale():
     def loss_fn(w):
         return 1e-5 * jnp.sum(w) * 1e-3  # gradient 1e-8 per element
 
-    report = jaxmp.find_nonfinite(loss_fn, autocast=False,
-                                  compute_dtype=jnp.float16)(
-                                      jnp.ones(4), scaler_state=jaxmp.static_scaler(1.0))
+    report = jaxmp.debug.find_nonfinite(loss_fn, autocast=False,
+                                        compute_dtype=jnp.float16)(
+                                            jnp.ones(4), scaler_state=jaxmp.static_scaler(1.0))
     (under,) = [f for f in report.findings if f.kind == "underflow"]
     assert under.phase == "backward" and under.count == 1 and under.float32_max == pytest.approx(1e-8, rel=1e-2)
     assert "larger loss scale" in report.backward[0].hint
-    assert not jaxmp.find_nonfinite(loss_fn, autocast=False,
-                                    compute_dtype=jnp.float16)(
-                                        jnp.ones(4)).findings  # 2**15 rescues it
+    assert not jaxmp.debug.find_nonfinite(loss_fn, autocast=False,
+                                          compute_dtype=jnp.float16)(
+                                              jnp.ones(4)).findings  # 2**15 rescues it
 
 
 # Through the higher-order primitives. -------------------------------------------------
@@ -215,9 +216,9 @@ def test_found_inside_higher_order_primitives(name):
 
     # exp(11) = 59874 fits; exp(12) does not. The scan reaches 12 at its 2nd iteration.
     w = jnp.full((3,), 8.0 if name == "scan" else 12.0)
-    report = jaxmp.find_nonfinite(loss_fn, autocast=False,
-                                  compute_dtype=jnp.float16)(
-                                      w, scaler_state=jaxmp.static_scaler(1.0))
+    report = jaxmp.debug.find_nonfinite(loss_fn, autocast=False,
+                                        compute_dtype=jnp.float16)(
+                                            w, scaler_state=jaxmp.static_scaler(1.0))
     first = _overflows(report)[0]
     assert first.phase == "forward" and first.primitive == "exp"
     if name != "custom_jvp":
@@ -234,7 +235,7 @@ def test_found_inside_a_loop_too_long_to_run_one_iteration_at_a_time(monkeypatch
     def loss_fn(w):
         return jnp.mean(STRUCTURES["scan"](w))
 
-    report = jaxmp.find_nonfinite(loss_fn, autocast=False, compute_dtype=jnp.float16)(
+    report = jaxmp.debug.find_nonfinite(loss_fn, autocast=False, compute_dtype=jnp.float16)(
         jnp.full((3,), 8.0), scaler_state=jaxmp.static_scaler(1.0))
     first = _overflows(report)[0]
     assert first.phase == "forward" and first.primitive == "exp"
@@ -245,16 +246,16 @@ def test_custom_vjp_backward_rule_overflow_is_backward():
     def loss_fn(w):
         return jnp.sum(_loud_identity(w * 2.0))
 
-    report = jaxmp.find_nonfinite(loss_fn, autocast=False,
-                                  compute_dtype=jnp.float16)(
-                                      jnp.ones(3), scaler_state=jaxmp.static_scaler(32.0))
+    report = jaxmp.debug.find_nonfinite(loss_fn, autocast=False,
+                                        compute_dtype=jnp.float16)(
+                                            jnp.ones(3), scaler_state=jaxmp.static_scaler(32.0))
     first = _overflows(report)[0]
     # JAX records the backward rule's operations at the line that calls the function.
     assert first.phase == "backward" and first.primitive == "mul"
     assert first.where.startswith(_line_of(loss_fn, "_loud_identity"))
-    assert not jaxmp.find_nonfinite(loss_fn, autocast=False,
-                                    compute_dtype=jnp.float16)(
-                                        jnp.ones(3), scaler_state=jaxmp.static_scaler(1.0))
+    assert not jaxmp.debug.find_nonfinite(loss_fn, autocast=False,
+                                          compute_dtype=jnp.float16)(
+                                              jnp.ones(3), scaler_state=jaxmp.static_scaler(1.0))
 
 
 # Options, inputs and what it must not do. -----------------------------------------------
@@ -263,8 +264,8 @@ def test_has_aux_argnums_and_kwargs():
     def loss_fn(scale_arg, w, *, offset):
         return jnp.mean(jnp.exp(w * scale_arg + offset)), {"aux": w}
 
-    report = jaxmp.find_nonfinite(loss_fn, argnums=1, has_aux=True, autocast=False,
-                                  compute_dtype=jnp.float16)(
+    report = jaxmp.debug.find_nonfinite(loss_fn, argnums=1, has_aux=True, autocast=False,
+                                        compute_dtype=jnp.float16)(
         jnp.asarray(4.0), jnp.ones(3), offset=jnp.asarray(8.0), scaler_state=jaxmp.static_scaler(1.0))
     assert _overflows(report)[0].primitive == "exp"
 
@@ -273,9 +274,10 @@ def test_bfloat16_overflows_only_where_float32_does():
     def loss_fn(w):
         return jnp.mean(jnp.exp(w))
 
-    report = jaxmp.find_nonfinite(loss_fn, compute_dtype=jnp.bfloat16, autocast=False)(jnp.full((2,), 12.0))
+    find = jaxmp.debug.find_nonfinite(loss_fn, compute_dtype=jnp.bfloat16, autocast=False)
+    report = find(jnp.full((2,), 12.0))
     assert not report and report.loss_scale == 1.0
-    huge = jaxmp.find_nonfinite(loss_fn, compute_dtype=jnp.bfloat16, autocast=False)(jnp.full((2,), 100.0))
+    huge = find(jnp.full((2,), 100.0))
     assert not huge and [f.kind for f in huge.forward] == ["float32 too"]
 
 
@@ -284,8 +286,8 @@ def test_does_not_change_the_training_step():
     scaler = jaxmp.init_scaler(initial_scale=256.0)
     step = jax.jit(jaxmp.mp_value_and_grad(ln_loss, compute_dtype=jnp.float16))
     before = step(params, tokens, scaler_state=scaler)
-    jaxmp.find_nonfinite(ln_loss, autocast=False,
-                         compute_dtype=jnp.float16)(params, tokens, scaler_state=scaler)
+    jaxmp.debug.find_nonfinite(ln_loss, autocast=False,
+                               compute_dtype=jnp.float16)(params, tokens, scaler_state=scaler)
     after = step(params, tokens, scaler_state=scaler)
     for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after)):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
@@ -294,28 +296,28 @@ def test_does_not_change_the_training_step():
 
 def test_bad_options_raise_clear_errors():
     with pytest.raises(ValueError, match="float16 or bfloat16"):
-        jaxmp.find_nonfinite(exp_loss, compute_dtype=jnp.float32, autocast=False)
+        jaxmp.debug.find_nonfinite(exp_loss, compute_dtype=jnp.float32, autocast=False)
     with pytest.raises(ValueError, match="compute_dtype must be one of"):
-        jaxmp.find_nonfinite(exp_loss, compute_dtype=jnp.int32, autocast=False)
+        jaxmp.debug.find_nonfinite(exp_loss, compute_dtype=jnp.int32, autocast=False)
     with pytest.raises(TypeError, match="argnums"):
-        jaxmp.find_nonfinite(exp_loss, argnums="w", autocast=False, compute_dtype=jnp.float16)
+        jaxmp.debug.find_nonfinite(exp_loss, argnums="w", autocast=False, compute_dtype=jnp.float16)
     with pytest.raises(TypeError, match="refers to argument 3"):
-        jaxmp.find_nonfinite(exp_loss, argnums=3, autocast=False,
-                             compute_dtype=jnp.float16)(jnp.ones(4), jnp.ones((2, 4)))
+        jaxmp.debug.find_nonfinite(exp_loss, argnums=3, autocast=False,
+                                   compute_dtype=jnp.float16)(jnp.ones(4), jnp.ones((2, 4)))
     with pytest.raises(TypeError, match="The loss must be a scalar"):
-        jaxmp.find_nonfinite(lambda w: w * 2.0, autocast=False,
-                             compute_dtype=jnp.float16)(jnp.ones(3))
+        jaxmp.debug.find_nonfinite(lambda w: w * 2.0, autocast=False,
+                                   compute_dtype=jnp.float16)(jnp.ones(3))
     with pytest.raises(TypeError, match="pair"):
-        jaxmp.find_nonfinite(lambda w: jnp.sum(w), has_aux=True, autocast=False,
-                             compute_dtype=jnp.float16)(jnp.ones(3))
+        jaxmp.debug.find_nonfinite(lambda w: jnp.sum(w), has_aux=True, autocast=False,
+                                   compute_dtype=jnp.float16)(jnp.ones(3))
     with pytest.raises(ValueError, match="reduce_dtype must be one of"):  # as the step's
-        jaxmp.find_nonfinite(exp_loss, reduce_dtype=jnp.int32, compute_dtype=jnp.float16)
+        jaxmp.debug.find_nonfinite(exp_loss, reduce_dtype=jnp.int32, compute_dtype=jnp.float16)
     with pytest.raises(TypeError, match="positional"):  # the step's options are keywords
-        jaxmp.find_nonfinite(exp_loss, jnp.float16, 0, False, True, (), "batch")
+        jaxmp.debug.find_nonfinite(exp_loss, jnp.float16, 0, False, True, (), "batch")
     with pytest.raises(TypeError, match="jaxmp.ScalerState"):
-        jaxmp.find_nonfinite(exp_loss, autocast=False,
-                             compute_dtype=jnp.float16)(
-                                 jnp.ones(4), jnp.ones((2, 4)), scaler_state=1.0)
+        jaxmp.debug.find_nonfinite(exp_loss, autocast=False,
+                                   compute_dtype=jnp.float16)(
+                                       jnp.ones(4), jnp.ones((2, 4)), scaler_state=1.0)
 
 
 def test_under_autocast_the_line_is_still_the_users():
@@ -323,7 +325,7 @@ def test_under_autocast_the_line_is_still_the_users():
         h = x @ w  # a float16 matrix product under autocast: 128000 > 65504
         return jnp.mean(h)
 
-    report = jaxmp.find_nonfinite(loss_fn, autocast=True, compute_dtype=jnp.float16)(
+    report = jaxmp.debug.find_nonfinite(loss_fn, autocast=True, compute_dtype=jnp.float16)(
         jnp.full((64, 4), 100.0), jnp.full((2, 64), 20.0), scaler_state=jaxmp.static_scaler(1.0))
     first = _overflows(report)[0]
     assert (first.phase, first.primitive) == ("forward", "dot_general")
@@ -339,9 +341,9 @@ def test_equinox_module_with_static_leaves():
     def loss_fn(model, x):
         return jnp.mean(jax.vmap(model)(x))
 
-    report = jaxmp.find_nonfinite(loss_fn, autocast=False,
-                                  compute_dtype=jnp.float16)(model, jnp.zeros((3, 4)),
-                                           scaler_state=jaxmp.static_scaler(1.0))
+    report = jaxmp.debug.find_nonfinite(loss_fn, autocast=False,
+                                        compute_dtype=jnp.float16)(model, jnp.zeros((3, 4)),
+                                                 scaler_state=jaxmp.static_scaler(1.0))
     first = _overflows(report)[0]
     assert (first.phase, first.primitive) == ("forward", "exp")
 
@@ -361,9 +363,9 @@ def test_user_code_in_a_folder_named_jaxmp_is_not_taken_for_library_code(tmp_pat
     spec.loader.exec_module(module)
     model = eqx.nn.Linear(4, 2, key=jax.random.key(0))
     model = eqx.tree_at(lambda m: m.weight, model, jnp.full((2, 4), 300.0))
-    finding = jaxmp.find_nonfinite(module.loss_fn, autocast=False,
-                                   compute_dtype=jnp.float16)(
-                                       model, jnp.full((4,), 300.0)).findings[0]
+    finding = jaxmp.debug.find_nonfinite(module.loss_fn, autocast=False,
+                                         compute_dtype=jnp.float16)(
+                                             model, jnp.full((4,), 300.0)).findings[0]
     assert finding.primitive == "dot_general" and finding.called_from.startswith("user_model.py:4")
 
 
@@ -389,7 +391,7 @@ def dense_loss(params, x):
 @pytest.mark.parametrize("autocast", [False, True])
 def test_a_parameter_flushed_to_zero_by_the_cast_is_named_by_its_path(autocast):
     params = {"dense": {"kernel": jnp.full((4, 2), 1e-9)}}  # below float16's 6e-8
-    report = jaxmp.find_nonfinite(dense_loss, autocast=autocast, compute_dtype=jnp.float16)(
+    report = jaxmp.debug.find_nonfinite(dense_loss, autocast=autocast, compute_dtype=jnp.float16)(
         params, jnp.ones((3, 4)), scaler_state=jaxmp.static_scaler(1.0))
     (under,) = [f for f in report.forward if f.kind == "underflow"]
     assert under.where == "params['dense']['kernel']" and under.called_from == ""
@@ -409,7 +411,7 @@ def test_a_batch_that_overflows_the_input_cast_is_named_by_its_path():
     def loss_fn(w, batch, *, shift):
         return jnp.mean((batch["x"] - shift) @ w)
 
-    report = jaxmp.find_nonfinite(loss_fn, autocast=False, compute_dtype=jnp.float16)(
+    report = jaxmp.debug.find_nonfinite(loss_fn, autocast=False, compute_dtype=jnp.float16)(
         jnp.ones((3, 2)), {"x": jnp.full((2, 3), 1e5)}, shift=jnp.full((3,), 7e4),
         scaler_state=jaxmp.static_scaler(1.0))
     wheres = [f.where for f in _overflows(report)]
@@ -426,7 +428,7 @@ def test_a_float32_value_narrowed_by_autocast_is_named_at_the_users_product():
         return jnp.mean(h)
 
     x = jnp.ones((100, 4))
-    report = jaxmp.find_nonfinite(loss_fn, compute_dtype=jnp.float16)(jnp.ones((4, 2)), x,
+    report = jaxmp.debug.find_nonfinite(loss_fn, compute_dtype=jnp.float16)(jnp.ones((4, 2)), x,
                                            scaler_state=jaxmp.static_scaler(1.0))
     first = _overflows(report)[0]
     assert first.phase == "forward" and first.primitive == "convert_element_type"
@@ -437,8 +439,9 @@ def test_a_float32_value_narrowed_by_autocast_is_named_at_the_users_product():
 
 
 def test_the_table_says_what_its_columns_are():
-    report = jaxmp.find_nonfinite(exp_loss, autocast=False,
-                                  compute_dtype=jnp.float16)(jnp.full((4,), 3.0), jnp.ones((2, 4)))
+    report = jaxmp.debug.find_nonfinite(exp_loss, autocast=False,
+                                        compute_dtype=jnp.float16)(
+        jnp.full((4,), 3.0), jnp.ones((2, 4)))
     text = str(report)
     header = next(line for line in text.splitlines() if line.startswith("pass"))
     for column in ("wrong/size", "float16 max|x|", "float32 max|x|", "float32 min|x|", "where"):
@@ -447,7 +450,7 @@ def test_the_table_says_what_its_columns_are():
     assert "as computed in float16" in legend and "float32 shadow" in legend
     assert "float16 holds 5.96e-08 to 65504" in legend
     assert "Backward values include the loss scale" in legend
-    bf16 = jaxmp.find_nonfinite(exp_loss, compute_dtype=jnp.bfloat16, autocast=False)(
+    bf16 = jaxmp.debug.find_nonfinite(exp_loss, compute_dtype=jnp.bfloat16, autocast=False)(
         jnp.full((4,), 30.0), jnp.ones((2, 4)))
     assert "bfloat16 max|x|" in str(bf16)
 
@@ -493,7 +496,7 @@ def _check_batchnorm_report(report, Model, loss_fn, params, x):
 
 def test_a_batchnorm_model_under_vmap():
     Model, loss_fn, params, x = _batchnorm_model()
-    find = jaxmp.find_nonfinite(
+    find = jaxmp.debug.find_nonfinite(
         loss_fn, axis_name="batch",
         mapped=lambda f: jax.vmap(f, in_axes=(None, 0), axis_name="batch"),
             compute_dtype=jnp.float16)
@@ -507,7 +510,7 @@ def test_a_batchnorm_model_under_shard_map():
     Model, loss_fn, params, x = _batchnorm_model()
     mesh = jax.make_mesh((2,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.devices()[:2])
-    find = jaxmp.find_nonfinite(
+    find = jaxmp.debug.find_nonfinite(
         loss_fn, axis_name="batch",
         mapped=lambda f: jax.shard_map(f, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P()),
             compute_dtype=jnp.float16)
@@ -520,7 +523,7 @@ def test_a_batchnorm_model_under_pmap():
     if jax.device_count() < 2:
         pytest.skip("needs 2 devices")
     Model, loss_fn, params, x = _batchnorm_model()
-    find = jaxmp.find_nonfinite(loss_fn, axis_name="batch", mapped=lambda f: jax.pmap(
+    find = jaxmp.debug.find_nonfinite(loss_fn, axis_name="batch", mapped=lambda f: jax.pmap(
         f, axis_name="batch", in_axes=(None, 0), devices=jax.devices()[:2]),
             compute_dtype=jnp.float16)
     # One example per device, with the leading device axis pmap takes.
@@ -532,8 +535,8 @@ def test_a_batchnorm_model_on_a_batch_captured_in_a_closure():
     Model, loss_fn, params, x = _batchnorm_model()
     # No mapped=: the whole batch is one member of the axis, so BatchNorm's
     # statistics are those of the whole batch, as across the members above.
-    find = jaxmp.find_nonfinite(lambda p: loss_fn(p, x), axis_name="batch",
-                                compute_dtype=jnp.float16)
+    find = jaxmp.debug.find_nonfinite(lambda p: loss_fn(p, x), axis_name="batch",
+                                      compute_dtype=jnp.float16)
     _check_batchnorm_report(find(params, scaler_state=jaxmp.static_scaler(1.0)),
                             Model, loss_fn, params, x)
 
@@ -545,16 +548,17 @@ def test_collectives_need_axis_name_and_say_so():
 
     w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
     with pytest.raises(ValueError, match="not bound.*axis_name=.*mapped="):
-        jaxmp.find_nonfinite(loss_fn, compute_dtype=jnp.float16)(w, x)
+        jaxmp.debug.find_nonfinite(loss_fn, compute_dtype=jnp.float16)(w, x)
     with pytest.raises(TypeError, match="outside jit, vmap, pmap and shard_map.*mapped="):
-        jax.vmap(jaxmp.find_nonfinite(loss_fn,
-                                      compute_dtype=jnp.float16),
+        jax.vmap(jaxmp.debug.find_nonfinite(loss_fn,
+                                            compute_dtype=jnp.float16),
                                       in_axes=(None, 0), axis_name="batch")(w, x)
     with pytest.raises(TypeError, match="mapped must be a function"):
-        jaxmp.find_nonfinite(loss_fn, axis_name="batch", mapped="vmap", compute_dtype=jnp.float16)
+        jaxmp.debug.find_nonfinite(loss_fn, axis_name="batch", mapped="vmap",
+                                   compute_dtype=jnp.float16)
     if jax.device_count() >= 4:  # inside shard_map, the step's own advice: pass axis_name=
         mesh = jax.make_mesh((4,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
-        find = jaxmp.find_nonfinite(loss_fn, mapped=lambda f: jax.shard_map(
+        find = jaxmp.debug.find_nonfinite(loss_fn, mapped=lambda f: jax.shard_map(
             f, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P()), compute_dtype=jnp.float16)
         with pytest.raises(ValueError, match="axis_name="):
             find(w, x)
@@ -593,7 +597,7 @@ def test_a_causal_mask_is_not_an_overflow(fill, autocast):
     params, x = _attention_params()
     loss_fn = lambda p, x: _attention_loss(p, x, MASK_FILLS[fill])
     reference = float(jax.jit(loss_fn)(params, x))  # float32
-    report = jaxmp.find_nonfinite(loss_fn, jnp.float16, autocast=autocast)(params, x)
+    report = jaxmp.debug.find_nonfinite(loss_fn, jnp.float16, autocast=autocast)(params, x)
     np.testing.assert_allclose(report.loss, reference, rtol=1e-2)
     np.testing.assert_allclose(report.loss_float32, reference, rtol=1e-5)
     assert not report.findings, str(report)
@@ -603,7 +607,7 @@ def test_an_overflow_after_a_causal_mask_is_found_at_its_line_and_the_mask_is_no
     params, x = _attention_params(o_scale=3e4)  # (weights @ v) @ o passes float16's 65504
     reference = float(jax.jit(_attention_loss)(params, x))
     assert np.isfinite(reference)
-    report = jaxmp.find_nonfinite(_attention_loss, jnp.float16)(params, x)
+    report = jaxmp.debug.find_nonfinite(_attention_loss, jnp.float16)(params, x)
     np.testing.assert_allclose(report.loss_float32, reference, rtol=1e-5)
     assert not np.isfinite(report.loss)
     first = _overflows(report)[0]
@@ -618,7 +622,7 @@ def test_an_overflow_before_a_causal_mask_is_found_at_its_line():
     params, x = _attention_params(qk_scale=300.0)  # q and k fit in float16, q @ k.T does not
     reference = float(jax.jit(_attention_loss)(params, x))
     assert np.isfinite(reference)
-    report = jaxmp.find_nonfinite(_attention_loss, jnp.float16)(params, x)
+    report = jaxmp.debug.find_nonfinite(_attention_loss, jnp.float16)(params, x)
     assert not np.isfinite(report.loss)
     first = _overflows(report)[0]
     assert first.phase == "forward" and first.primitive == "dot_general"
@@ -639,8 +643,8 @@ def test_an_overflow_made_finite_but_wrong_is_still_found():
     Its overflow reaches the loss through them and is reported at its line."""
     w = jnp.linspace(-1.0, 1.0, 8 * 16).reshape(8, 16)
     x = jnp.full((4, 8), 2000.0)  # centred values up to ~1900: squares beyond 65504
-    report = jaxmp.find_nonfinite(_normalised, compute_dtype=jnp.float16, autocast=False,
-                                  argnums=(0, 1))(w, x)
+    report = jaxmp.debug.find_nonfinite(_normalised, compute_dtype=jnp.float16, autocast=False,
+                                        argnums=(0, 1))(w, x)
     assert np.isfinite(report.loss) and np.isfinite(report.loss_float32)
     assert abs(report.loss - report.loss_float32) > 0.1 * abs(report.loss_float32), str(report)
     overflows = [f for f in report.findings if f.kind == "overflow"]

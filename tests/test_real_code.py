@@ -29,7 +29,7 @@ def _standard_promotion():
 def _half_share(loss, args, **options):
     grad_fn = jaxmp.mp_value_and_grad(loss, **options)
     scaler = jaxmp.scaler_for(options["compute_dtype"])
-    return jaxmp.half_matmul_flop_share(lambda *a: grad_fn(*a, scaler_state=scaler)[1], *args)
+    return jaxmp.debug.half_matmul_flop_share(lambda *a: grad_fn(*a, scaler_state=scaler)[1], *args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
@@ -37,7 +37,7 @@ def _half_share(loss, args, **options):
 def test_the_default_trains_real_code_in_half_precision(pattern, dtype):
     loss, args = PATTERNS[pattern]()
     with warnings.catch_warnings():
-        warnings.simplefilter("error", jaxmp.MostlyFloat32Warning)
+        warnings.simplefilter("error", jaxmp.debug.MostlyFloat32Warning)
         share = _half_share(loss, args, compute_dtype=dtype)
     assert share >= 0.9, f"{pattern}: only {share:.0%} of matmul FLOPs in half precision"
     # And the loss agrees with float32's.
@@ -50,7 +50,8 @@ def test_the_default_trains_real_code_in_half_precision(pattern, dtype):
 @pytest.mark.parametrize("pattern", [p for p in sorted(PATTERNS) if p != "equinox_noise_then_conv"])
 def test_casting_the_inputs_says_it_computes_in_float32(pattern):
     loss, args = PATTERNS[pattern]()
-    with pytest.warns(jaxmp.MostlyFloat32Warning, match="matrix-product FLOPs in half precision") as rec:
+    with pytest.warns(jaxmp.debug.MostlyFloat32Warning,
+                      match="matrix-product FLOPs in half precision") as rec:
         _half_share(loss, args, compute_dtype=jnp.float16, autocast=False)
     message = str(rec[0].message)
     assert "real_code.py:" in message  # the user's line (the pattern's model), not a library's
@@ -61,10 +62,10 @@ def test_the_float32_warning_is_said_once_per_gradient_function():
     loss, args = PATTERNS["linen_dtype_float32"]()
     grad_fn = jax.jit(jaxmp.mp_value_and_grad(loss, autocast=False, compute_dtype=jnp.float16))
     scaler = jaxmp.init_scaler()
-    with pytest.warns(jaxmp.MostlyFloat32Warning):
+    with pytest.warns(jaxmp.debug.MostlyFloat32Warning):
         grad_fn(*args, scaler_state=scaler)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", jaxmp.MostlyFloat32Warning)
+        warnings.simplefilter("error", jaxmp.debug.MostlyFloat32Warning)
         grad_fn(*args, scaler_state=scaler)  # compiled: nothing
         grad_fn(args[0], args[1][:4], args[2][:4], scaler_state=scaler)  # retraced: said already
 

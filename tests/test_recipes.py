@@ -76,7 +76,7 @@ def _grads_close(grads, reference):
 
 
 def _half_share_at_least_90_percent(step, *args):
-    share = jaxmp.half_matmul_flop_share(step, *args)
+    share = jaxmp.debug.half_matmul_flop_share(step, *args)
     assert share >= 0.9, f"only {share:.0%} of the matmul FLOPs in half precision"
 
 

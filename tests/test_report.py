@@ -1,4 +1,4 @@
-"""jaxmp.precision_report: FLOPs per layer path and pass by dtype, and why a product is wider.
+"""jaxmp.debug.precision_report: FLOPs per layer path and pass by dtype, and why a product is wider.
 
 Tiny models, traced only (nothing compiled). The page docs/precision_report.md runs here, as
 "precision_report.md", and its shown output is checked against what its code prints.
@@ -21,8 +21,8 @@ import jaxmp
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = "precision_report.md"
-pytestmark = pytest.mark.filterwarnings("ignore::jaxmp.MostlyFloat32Warning",
-                                        "ignore::jaxmp.Float8ShortfallWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::jaxmp.debug.MostlyFloat32Warning",
+                                        "ignore::jaxmp.experimental.Float8ShortfallWarning")
 
 
 @pytest.fixture(autouse=True)
@@ -62,22 +62,22 @@ def _step(loss=_loss, **options):
 
 def _float8_loss():
     return jaxmp.autocast(_loss, jnp.bfloat16, matmul_dtype=jnp.float8_e4m3fn,
-                          float8_rules=jaxmp.Float8Rules(keep_scopes={"head"}))
+                          float8_rules=jaxmp.experimental.Float8Rules(keep_scopes={"head"}))
 
 
 @pytest.mark.parametrize("variant", ["default", "cast", "float8"])
 def test_per_layer_flops_sum_to_matmul_flops(variant):
     step = {"default": lambda: _step(), "cast": lambda: _step(autocast=False),
             "float8": lambda: _step(_float8_loss())}[variant]()
-    report = jaxmp.precision_report(step, _PARAMS, _X, compute_dtype=jnp.bfloat16)
-    assert report.totals == jaxmp.matmul_flops(step, _PARAMS, _X)
+    report = jaxmp.debug.precision_report(step, _PARAMS, _X, compute_dtype=jnp.bfloat16)
+    assert report.totals == jaxmp.debug.matmul_flops(step, _PARAMS, _X)
     assert {row.layer for row in report.layers} == {
         "_Net/stem", "_Net/hidden", "_Net/wide", "_Net/head/out"}
 
 
 def test_a_float32_layer_is_named_with_its_line_and_reason():
-    report = jaxmp.precision_report(_step(autocast=False), _PARAMS, _X,
-                                    compute_dtype=jnp.bfloat16)
+    report = jaxmp.debug.precision_report(_step(autocast=False), _PARAMS, _X,
+                                          compute_dtype=jnp.bfloat16)
     rows = {(r.layer, r.phase): r.flops for r in report.layers}
     assert set(rows["_Net/wide", "forward"]) == {"float32"}
     assert set(rows["_Net/hidden", "forward"]) == {"bfloat16"}
@@ -94,15 +94,15 @@ def test_a_float32_layer_is_named_with_its_line_and_reason():
     out = next(w for w in report.wider if w.layer == "_Net/head/out" and w.phase == "forward")
     assert f"earlier operation at test_report.py:{_WIDE_LINE}" in out.says
     # Under autocast (the default) the same layer runs in bfloat16.
-    default = jaxmp.precision_report(_step(), _PARAMS, _X, compute_dtype=jnp.bfloat16)
+    default = jaxmp.debug.precision_report(_step(), _PARAMS, _X, compute_dtype=jnp.bfloat16)
     assert default.wider == () and set(default.totals) == {"bfloat16"}
 
 
 def test_a_batch_captured_by_a_closure_is_named_so():
     grad_fn = jaxmp.mp_value_and_grad(lambda p: _loss(p, _X), compute_dtype=jnp.bfloat16,
                                       autocast=False)
-    report = jaxmp.precision_report(grad_fn, _PARAMS, scaler_state=jaxmp.noop_scaler(),
-                                    compute_dtype=jnp.bfloat16)
+    report = jaxmp.debug.precision_report(grad_fn, _PARAMS, scaler_state=jaxmp.noop_scaler(),
+                                          compute_dtype=jnp.bfloat16)
     stem = next(w for w in report.wider if w.layer == "_Net/stem" and w.phase == "forward")
     assert stem.reason == "user" and "captured by a closure" in stem.says
 
@@ -118,7 +118,7 @@ def test_products_outside_the_jaxmp_function_are_named_so():
         _, grads, _, _ = grad_fn(params, x * jnp.sum(acted), scaler_state=jaxmp.noop_scaler())
         return grads
 
-    report = jaxmp.precision_report(step, _PARAMS, _X, compute_dtype=jnp.bfloat16)
+    report = jaxmp.debug.precision_report(step, _PARAMS, _X, compute_dtype=jnp.bfloat16)
     outside = [w for w in report.wider if w.layer.startswith("rollout")]
     assert outside and {w.reason for w in report.wider} == {"outside"}
     assert {w.phase for w in outside} == {"forward"}
@@ -132,8 +132,8 @@ def test_products_outside_the_jaxmp_function_are_named_so():
 
 def test_float8_products_kept_by_the_rules_are_reported_as_kept():
     step = _step(_float8_loss())
-    report = jaxmp.precision_report(step, _PARAMS, _X, compute_dtype=jnp.bfloat16,
-                                    matmul_dtype=jnp.float8_e4m3fn)
+    report = jaxmp.debug.precision_report(step, _PARAMS, _X, compute_dtype=jnp.bfloat16,
+                                          matmul_dtype=jnp.float8_e4m3fn)
     assert report.requested == "float8"
     assert {(w.layer, w.phase, w.dtype, w.reason) for w in report.wider} == {
         ("_Net/head/out", "forward", "bfloat16", "kept"),
@@ -143,13 +143,13 @@ def test_float8_products_kept_by_the_rules_are_reported_as_kept():
     rows = {(r.layer, r.phase): r.flops for r in report.layers}
     assert set(rows["_Net/wide", "forward"]) == {"float8_e4m3fn"}
     assert set(rows["_Net/wide", "backward"]) == {"float8_e4m3fn+float8_e5m2"}
-    assert "it runs in bfloat16: your jaxmp.Float8Rules keep it there" in str(report)
+    assert "it runs in bfloat16: your jaxmp.experimental.Float8Rules keep it there" in str(report)
 
 
 def test_a_primitive_left_out_of_the_autocast_rules():
     loss = jaxmp.autocast(_loss, jnp.bfloat16, low_precision={"dot_general"})
-    report = jaxmp.precision_report(jax.value_and_grad(loss), _PARAMS, _X,
-                                    compute_dtype=jnp.bfloat16)
+    report = jaxmp.debug.precision_report(jax.value_and_grad(loss), _PARAMS, _X,
+                                          compute_dtype=jnp.bfloat16)
     assert {(w.layer, w.phase, w.dtype, w.reason) for w in report.wider} == {
         ("_Net/stem", "forward", "float32", "rules"), ("_Net/stem", "backward", "float32", "rules")}
     assert "conv_general_dilated is not in the autocast rules' low_precision" in str(report)
@@ -162,10 +162,10 @@ def test_forward_and_backward_products_are_told_apart():
 
     w, x = jnp.ones((16, 32)), jnp.ones((8, 16))
     forward = 2 * 8 * 16 * 32
-    report = jaxmp.precision_report(jax.value_and_grad(loss), w, x)
+    report = jaxmp.debug.precision_report(jax.value_and_grad(loss), w, x)
     assert [(r.layer, r.phase, r.flops) for r in report.layers] == [
         ("encoder", "forward", {"float32": forward}), ("encoder", "backward", {"float32": forward})]
-    both = jaxmp.precision_report(jax.grad(loss, argnums=(0, 1)), w, x)
+    both = jaxmp.debug.precision_report(jax.grad(loss, argnums=(0, 1)), w, x)
     assert both.layers[1].flops == {"float32": 2 * forward}
     assert all(w.reason == "user" for w in report.wider)  # float32 arguments, no compute dtype
 
@@ -183,8 +183,8 @@ def test_an_equinox_step_returning_the_module():
         return eqx.apply_updates(model, updates), opt_state, loss, None
 
     args = (model, optimizer.init(eqx.filter(model, eqx.is_array)), jnp.ones((3, 4)))
-    report = jaxmp.precision_report(step, *args, compute_dtype=jnp.bfloat16)
-    assert report.totals == jaxmp.matmul_flops(step, *args)
+    report = jaxmp.debug.precision_report(step, *args, compute_dtype=jnp.bfloat16)
+    assert report.totals == jaxmp.debug.matmul_flops(step, *args)
     assert set(report.totals) == {"bfloat16"}
     assert {r.phase for r in report.layers} == {"forward", "backward"} and report.wider == ()
 
@@ -202,15 +202,16 @@ def test_unsupported_products_integer_operands_and_custom_rules():
         return jnp.mean(h ** 2) + jnp.sum(jnp.arange(4) @ jnp.arange(4))
 
     step = jaxmp.mp_value_and_grad(loss, compute_dtype=jnp.bfloat16)
-    report = jaxmp.precision_report(step, jnp.ones((16, 16)), jnp.ones((8, 16)),
-                                    scaler_state=jaxmp.noop_scaler(), compute_dtype=jnp.bfloat16)
+    report = jaxmp.debug.precision_report(step, jnp.ones((16, 16)), jnp.ones((8, 16)),
+                                          scaler_state=jaxmp.noop_scaler(),
+                                          compute_dtype=jnp.bfloat16)
     reasons = {(w.dtype, w.reason) for w in report.wider}
     assert reasons == {("int32", "operand"), ("float32", "custom_rule")}
 
 
 def test_plot_draws_stacked_bars_and_says_when_matplotlib_is_missing(tmp_path, monkeypatch):
-    report = jaxmp.precision_report(_step(autocast=False), _PARAMS, _X,
-                                    compute_dtype=jnp.bfloat16)
+    report = jaxmp.debug.precision_report(_step(autocast=False), _PARAMS, _X,
+                                          compute_dtype=jnp.bfloat16)
     path = tmp_path / "flops.png"
     figure = report.plot(str(path))
     assert path.stat().st_size > 0
@@ -222,9 +223,9 @@ def test_plot_draws_stacked_bars_and_says_when_matplotlib_is_missing(tmp_path, m
 
 def test_arguments_are_checked():
     with pytest.raises(ValueError, match="compute_dtype"):
-        jaxmp.precision_report(lambda x: x @ x, jnp.ones((2, 2)), compute_dtype=jnp.int8)
+        jaxmp.debug.precision_report(lambda x: x @ x, jnp.ones((2, 2)), compute_dtype=jnp.int8)
     with pytest.raises(ValueError, match="matmul_dtype"):
-        jaxmp.precision_report(lambda x: x @ x, jnp.ones((2, 2)), matmul_dtype=jnp.int8)
+        jaxmp.debug.precision_report(lambda x: x @ x, jnp.ones((2, 2)), matmul_dtype=jnp.int8)
 
 
 def test_the_page_prints_what_it_shows():

@@ -56,7 +56,7 @@ def test_every_function_has_the_same_default_compute_dtype():
     import inspect  # pylint: disable=g-import-not-at-top
 
     functions = (jaxmp.autocast, jaxmp.mp_value_and_grad, jaxmp.accumulate_value_and_grad,
-                 jaxmp.find_nonfinite)
+                 jaxmp.debug.find_nonfinite)
     defaults = {f.__name__: inspect.signature(f).parameters["compute_dtype"].default
                 for f in functions}
     assert set(defaults.values()) == {jnp.bfloat16}, defaults

@@ -351,7 +351,7 @@ def test_master_weight_check_is_quiet_otherwise(case):
 
 def test_step_with_messages_still_lowers_for_a_gpu_on_this_machine():
     # The stuck and overflow messages are host callbacks, which cannot be lowered for another
-    # platform; jaxmp.matmul_flops (lowered for "cuda") retraces the step without them.
+    # platform; jaxmp.debug.matmul_flops (lowered for "cuda") retraces the step without them.
     opt = optax.adam(1e-2)
 
     @jax.jit
@@ -371,7 +371,7 @@ def test_step_with_messages_still_lowers_for_a_gpu_on_this_machine():
         args = (w.astype(jnp.float16), opt.init(w.astype(jnp.float16)), jaxmp.init_scaler(), x)
         step(*args)  # traced and cached with the callback
         assert "callback" in str(jax.make_jaxpr(step)(*args))
-        flops = jaxmp.matmul_flops(step, *args, platform="cuda")
+        flops = jaxmp.debug.matmul_flops(step, *args, platform="cuda")
         assert set(flops) == {"float16"}
         step(*args)  # and training still has it
         assert "callback" in str(jax.make_jaxpr(step)(*args))

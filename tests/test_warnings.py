@@ -41,9 +41,9 @@ def test_mostly_float32_is_said_once_across_retraces_new_closures_and_flop_tools
         # Traced again (nothing is run): at a new shape, by a new jit; each a new closure.
         jax.eval_shape(jax.jit(_step), w, jnp.ones((4, 8)), state)
         jax.eval_shape(jax.jit(lambda *a: _step(*a)), w, jnp.ones((4, 8)), state)
-        jaxmp.half_matmul_flop_share(_step, w, jnp.ones((2, 8)), state)
-        jaxmp.matmul_flops(_step, w, jnp.ones((3, 8)), state)
-    said = _said(caught, jaxmp.MostlyFloat32Warning)
+        jaxmp.debug.half_matmul_flop_share(_step, w, jnp.ones((2, 8)), state)
+        jaxmp.debug.matmul_flops(_step, w, jnp.ones((3, 8)), state)
+    said = _said(caught, jaxmp.debug.MostlyFloat32Warning)
     assert len(said) == 1
     assert "test_warnings.py:" in str(said[0].message)
 
@@ -55,7 +55,7 @@ def test_a_new_warnings_context_says_it_again():
             warnings.simplefilter("always")
             jax.eval_shape(lambda *a: _step(*a), w, x, state)  # a new function: traced again
             jax.eval_shape(lambda *a: _step(*a), w, x[:1], state)
-        assert len(_said(caught, jaxmp.MostlyFloat32Warning)) == 1
+        assert len(_said(caught, jaxmp.debug.MostlyFloat32Warning)) == 1
 
 
 def test_a_block_that_only_changes_filters_does_not_say_it_again():
@@ -68,15 +68,15 @@ def test_a_block_that_only_changes_filters_does_not_say_it_again():
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Some donated buffers")
                 jax.eval_shape(lambda *a: _step(*a), w, x, state)
-    assert len(_said(caught, jaxmp.MostlyFloat32Warning)) == 1
+    assert len(_said(caught, jaxmp.debug.MostlyFloat32Warning)) == 1
 
 
 def test_a_warning_turned_into_an_error_is_raised_every_time():
     w, x, state = jnp.ones((8, 8)), jnp.ones((2, 8)), jaxmp.init_scaler()
     with warnings.catch_warnings():
-        warnings.simplefilter("error", jaxmp.MostlyFloat32Warning)
+        warnings.simplefilter("error", jaxmp.debug.MostlyFloat32Warning)
         for _ in range(2):
-            with pytest.raises(jaxmp.MostlyFloat32Warning):
+            with pytest.raises(jaxmp.debug.MostlyFloat32Warning):
                 jax.eval_shape(lambda *a: _step(*a), w, x, state)  # traced each time
 
 
@@ -91,7 +91,7 @@ def test_two_losses_with_different_first_products_each_say_it():
         for loss_fn in (_make_float32_loss(), other_loss, other_loss):
             grad_fn = jaxmp.mp_value_and_grad(loss_fn, autocast=False, compute_dtype=jnp.float16)
             jax.eval_shape(lambda *a: grad_fn(*a, scaler_state=state), w, x)
-    said = _said(caught, jaxmp.MostlyFloat32Warning)
+    said = _said(caught, jaxmp.debug.MostlyFloat32Warning)
     assert len(said) == 2
     assert str(said[0].message) != str(said[1].message)
 
@@ -127,8 +127,8 @@ def test_float8_shortfall_is_said_once_with_share_place_and_reason():
         warnings.simplefilter("always")
         jax.eval_shape(_float8_step, w, jnp.ones((4, 16)), state)
         jax.eval_shape(_float8_step, w, jnp.ones((8, 16)), state)  # retraced, new closure
-        share = jaxmp.float8_matmul_flop_share(_float8_step, w, jnp.ones((4, 16)), state)
-    said = _said(caught, jaxmp.Float8ShortfallWarning)
+        share = jaxmp.debug.float8_matmul_flop_share(_float8_step, w, jnp.ones((4, 16)), state)
+    said = _said(caught, jaxmp.experimental.Float8ShortfallWarning)
     assert len(said) == 1
     message = str(said[0].message)
     # Two products of equal size. The first, x @ w, has one backward product: x is not
@@ -142,7 +142,7 @@ def test_float8_shortfall_is_said_once_with_share_place_and_reason():
 
 
 def test_no_float8_shortfall_warning_for_products_the_users_rules_keep():
-    keep_project = jaxmp.Float8Rules(keep_scopes={"projection"})
+    keep_project = jaxmp.experimental.Float8Rules(keep_scopes={"projection"})
 
     def loss_fn(w, x):
         h = jnp.tanh(x @ w)
@@ -151,12 +151,15 @@ def test_no_float8_shortfall_warning_for_products_the_users_rules_keep():
 
     w, x = jnp.ones((16, 16)), jnp.ones((4, 16))
     with warnings.catch_warnings():
-        warnings.simplefilter("error", jaxmp.Float8ShortfallWarning)
-        for rules in (keep_project, jaxmp.Float8Rules(primitives={"conv_general_dilated"}),
-                      jaxmp.Float8Rules(keep_if=lambda p: p.scope.endswith("projection"))):
+        warnings.simplefilter("error", jaxmp.experimental.Float8ShortfallWarning)
+        for rules in (keep_project,
+                      jaxmp.experimental.Float8Rules(primitives={"conv_general_dilated"}),
+                      jaxmp.experimental.Float8Rules(
+                          keep_if=lambda p: p.scope.endswith("projection"))):
             f8 = jaxmp.autocast(loss_fn, jnp.bfloat16, matmul_dtype=F8, float8_rules=rules)
             jax.eval_shape(jax.grad(f8), w, x)
-    with pytest.warns(jaxmp.Float8ShortfallWarning):  # and without the rule, it is said
+    # And without the rule, it is said.
+    with pytest.warns(jaxmp.experimental.Float8ShortfallWarning):
         jax.eval_shape(jax.grad(jaxmp.autocast(loss_fn, jnp.bfloat16, matmul_dtype=F8)), w, x)
 
 
@@ -167,7 +170,7 @@ def test_no_float8_shortfall_warning_when_everything_runs_in_float8():
     params = {"k": jnp.ones((8, 16)) * 0.1, "w": jnp.ones((16, 3)) * 0.1}
     f8 = jaxmp.autocast(loss_fn, jnp.bfloat16, matmul_dtype=F8)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", jaxmp.Float8ShortfallWarning)
+        warnings.simplefilter("error", jaxmp.experimental.Float8ShortfallWarning)
         jax.eval_shape(jax.grad(f8), params, jnp.ones((2, 8)))
 
 
@@ -185,7 +188,7 @@ def test_float8_shortfall_says_a_convolution_runs_its_kernel_gradient_in_the_com
     params = {"k": jnp.ones((3, 3, 2, 4)) * 0.1, "k2": jnp.ones((3, 3, 4, 4)) * 0.1}
     img = jnp.ones((2, 8, 8, 2))
     f8 = jaxmp.autocast(loss_fn, jnp.bfloat16, matmul_dtype=F8)
-    with pytest.warns(jaxmp.Float8ShortfallWarning) as record:
+    with pytest.warns(jaxmp.experimental.Float8ShortfallWarning) as record:
         jax.eval_shape(jax.grad(f8), params, img)
     assert len(record) == 1
     message = str(record[0].message)
@@ -201,7 +204,7 @@ def test_float8_shortfall_says_a_convolution_runs_its_kernel_gradient_in_the_com
     # The program: no input gradient of the first (d/dimg is not asked for); the second's,
     # strided, in bfloat16 (a convolution of the zero-dilated cotangent as JAX writes it, four
     # times the forward FLOPs, which cuDNN's backward-data kernel does not spend).
-    assert jaxmp.float8_matmul_flop_share(jax.grad(f8), params, img) == pytest.approx(
+    assert jaxmp.debug.float8_matmul_flop_share(jax.grad(f8), params, img) == pytest.approx(
         (first + second) / (first + second + first + second + 4 * second))
 
 
@@ -213,7 +216,7 @@ def test_float8_shortfall_names_an_integer_operand():
         return jnp.mean(y ** 2)
 
     f8 = jaxmp.autocast(loss_fn, jnp.bfloat16, matmul_dtype=F8)
-    with pytest.warns(jaxmp.Float8ShortfallWarning, match="runs 0% of") as record:
+    with pytest.warns(jaxmp.experimental.Float8ShortfallWarning, match="runs 0% of") as record:
         jax.eval_shape(jax.grad(f8), jnp.ones((8, 4)), jnp.ones((2, 8)))
     message = str(record[0].message)
     assert "int8 x float32" in message and "two floating-point operands" in message
@@ -225,13 +228,13 @@ def test_float8_shortfall_names_a_product_the_autocast_rules_leave_out():
 
     rules = jaxmp.AutocastRules(low_precision={"conv_general_dilated"})
     f8 = jaxmp.autocast(loss_fn, jnp.bfloat16, rules=rules, matmul_dtype=F8)
-    with pytest.warns(jaxmp.Float8ShortfallWarning, match="low_precision"):
+    with pytest.warns(jaxmp.experimental.Float8ShortfallWarning, match="low_precision"):
         jax.eval_shape(jax.grad(f8), jnp.ones((8, 8)), jnp.ones((2, 8)))
     # Unless the user's Float8Rules keep it too: then it is the user's choice.
-    keep = jaxmp.Float8Rules(primitives={"conv_general_dilated"})
+    keep = jaxmp.experimental.Float8Rules(primitives={"conv_general_dilated"})
     f8 = jaxmp.autocast(loss_fn, jnp.bfloat16, rules=rules, matmul_dtype=F8, float8_rules=keep)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", jaxmp.Float8ShortfallWarning)
+        warnings.simplefilter("error", jaxmp.experimental.Float8ShortfallWarning)
         jax.eval_shape(jax.grad(f8), jnp.ones((8, 8)), jnp.ones((2, 8)))
 
 

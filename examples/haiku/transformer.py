@@ -16,7 +16,7 @@ What it shows:
   derivative of ``rsqrt`` at a small variance (``rsqrt(v) / v``) exceeds
   float16's 65504 whatever the loss scale. The scaler's stuck detection says
   so after a few steps (a ``jaxmp.TrainingStuckWarning``), and the script
-  then prints what ``jaxmp.find_nonfinite`` finds: the backward pass, at
+  then prints what ``jaxmp.debug.find_nonfinite`` finds: the backward pass, at
   Haiku's layer-norm line;
 * ``mp_value_and_grad(..., autocast=True)`` (the default here) fixes it in
   one argument: normalisation statistics, softmax and sums run in float32,
@@ -227,8 +227,8 @@ def train(args: argparse.Namespace, precision: str, corpus: Corpus) -> dict[str,
         # with the options of the training step (at a fresh scaler's scale).
         options = grad_options(precision, args.autocast)
         del options["use_mixed_precision"]
-        report = jaxmp.find_nonfinite(loss_fn, **options)(ts.params, *data[-1])
-        print(f"\n{label} is stuck. jaxmp.find_nonfinite says:\n{report}\n")
+        report = jaxmp.debug.find_nonfinite(loss_fn, **options)(ts.params, *data[-1])
+        print(f"\n{label} is stuck. jaxmp.debug.find_nonfinite says:\n{report}\n")
     return {
         "label": label,
         "train_loss": float(np.mean(np.asarray(losses[-20:]))),

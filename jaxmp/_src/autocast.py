@@ -1182,9 +1182,9 @@ def autocast(
             unit strides, its input gradient in float8, the rest in
             ``compute_dtype`` (XLA's GPU compiler runs only forward
             convolutions in float8). See ``docs/float8.md``.
-        float8_rules: a :class:`jaxmp.Float8Rules`: which products stay in
+        float8_rules: a :class:`jaxmp.experimental.Float8Rules`: which products stay in
             ``compute_dtype`` under a float8 ``matmul_dtype`` (default
-            ``jaxmp.Float8Rules()``: none).
+            ``jaxmp.experimental.Float8Rules()``: none).
         float8_scaling: how the float8 products are scaled. ``"tensor"``
             (default): one power-of-two scale per operand, as above.
             ``"mxfp8"`` (OCP MX v1.0, for GPUs with block-scaled float8, such
@@ -1201,7 +1201,7 @@ def autocast(
             dot); on the CPU an emulation computes the same numbers; on other
             accelerators (Hopper and older) the ``"tensor"`` recipe runs
             instead, chosen when the product is traced and said once by a
-            :class:`jaxmp.Float8ShortfallWarning`. See ``docs/float8.md``.
+            :class:`jaxmp.experimental.Float8ShortfallWarning`. See ``docs/float8.md``.
 
     The default sets are also attributes of this function
     (``jaxmp.autocast.FULL_PRECISION``...); to change a rule, pass a new set,
@@ -1249,7 +1249,8 @@ def autocast(
     float8_rules = float8.Float8Rules() if float8_rules is None else float8_rules
     if not isinstance(float8_rules, float8.Float8Rules):
         raise TypeError(
-            f"float8_rules must be a jaxmp.Float8Rules, got {type(float8_rules).__name__}.")
+            "float8_rules must be a jaxmp.experimental.Float8Rules, got "
+            f"{type(float8_rules).__name__}.")
     overrides = {"low_precision": low_precision, "full_precision": full_precision,
                  "follow": follow, "passthrough": passthrough, "bounded": bounded}
     overrides = {k: v for k, v in overrides.items() if v is not None}

@@ -91,9 +91,9 @@ def is_float_array(x: Any) -> bool:
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> import jaxmp
-        >>> jaxmp.is_float_array(jnp.ones(2)), jaxmp.is_float_array(jnp.arange(2))
+        >>> jaxmp.debug.is_float_array(jnp.ones(2)), jaxmp.debug.is_float_array(jnp.arange(2))
         (True, False)
-        >>> jaxmp.is_float_array(jax.random.key(0)), jaxmp.is_float_array(1.0)
+        >>> jaxmp.debug.is_float_array(jax.random.key(0)), jaxmp.debug.is_float_array(1.0)
         (False, False)
     """
     return is_array(x) and is_float_dtype(x.dtype)
@@ -185,12 +185,12 @@ def cast_tree(tree: PyTree, dtype: Any) -> PyTree:
 
 
 def cast_to_float16(tree: PyTree) -> PyTree:
-    """Casts the floating-point array leaves of ``tree`` to float16.
+    """Deprecated: ``jaxmp.cast_tree(tree, jnp.float16)``.
 
     Examples:
         >>> import jax.numpy as jnp
         >>> import jaxmp
-        >>> out = jaxmp.cast_to_float16({"w": jnp.ones(2), "step": jnp.array(3)})
+        >>> out = jaxmp.cast_tree({"w": jnp.ones(2), "step": jnp.array(3)}, jnp.float16)
         >>> out["w"].dtype, out["step"].dtype
         (dtype('float16'), dtype('int32'))
     """
@@ -198,39 +198,31 @@ def cast_to_float16(tree: PyTree) -> PyTree:
 
 
 def cast_to_bfloat16(tree: PyTree) -> PyTree:
-    """Casts the floating-point array leaves of ``tree`` to bfloat16.
+    """Deprecated: ``jaxmp.cast_tree(tree, jnp.bfloat16)``.
 
     Examples:
-        >>> import jax, jax.numpy as jnp
+        >>> import jax.numpy as jnp
         >>> import jaxmp
-        >>> w, key = jaxmp.cast_to_bfloat16((jnp.ones(2), jax.random.key(0)))
-        >>> w.dtype, jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)  # keys untouched
-        (dtype(bfloat16), True)
+        >>> jaxmp.cast_tree(jnp.ones(2), jnp.bfloat16).dtype
+        dtype(bfloat16)
     """
     return cast_tree(tree, jnp.bfloat16)
 
 
 def cast_to_float32(tree: PyTree) -> PyTree:
-    """Casts the floating-point array leaves of ``tree`` to float32.
+    """Deprecated: ``jaxmp.cast_tree(tree, jnp.float32)``.
 
     Examples:
         >>> import jax.numpy as jnp
         >>> import jaxmp
-        >>> grads = {"w": jnp.ones(2, jnp.float16), "count": jnp.array(3)}
-        >>> out = jaxmp.cast_to_float32(grads)
-        >>> out["w"].dtype, out["count"].dtype
-        (dtype('float32'), dtype('int32'))
+        >>> jaxmp.cast_tree(jnp.ones(2, jnp.float16), jnp.float32).dtype
+        dtype('float32')
     """
     return cast_tree(tree, jnp.float32)
 
 
 def cast_to_half_precision(tree: PyTree, dtype: Any = jnp.float16) -> PyTree:
-    """Casts the floating-point array leaves of ``tree`` to a half-precision dtype.
-
-    Args:
-        tree: any pytree.
-        dtype: ``jnp.float16`` (the default) or ``jnp.bfloat16``. The dtype is an
-            explicit argument: jaxmp keeps no global precision setting.
+    """Deprecated: ``jaxmp.cast_tree(tree, dtype)``, ``dtype`` float16 or bfloat16.
 
     Raises:
         ValueError: if ``dtype`` is not float16 or bfloat16.
@@ -238,7 +230,7 @@ def cast_to_half_precision(tree: PyTree, dtype: Any = jnp.float16) -> PyTree:
     Examples:
         >>> import jax.numpy as jnp
         >>> import jaxmp
-        >>> jaxmp.cast_to_half_precision(jnp.ones(2), jnp.bfloat16).dtype
+        >>> jaxmp.cast_tree(jnp.ones(2), jnp.bfloat16).dtype
         dtype(bfloat16)
     """
     dtype = canonical_float_dtype(dtype, allowed=HALF_DTYPES, what="dtype")

@@ -58,7 +58,7 @@ class MostlyFloat32Warning(UserWarning):
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")
         ...     _ = grad_fn(jnp.ones((8, 8)), jnp.ones((2, 8)), scaler_state=jaxmp.init_scaler())
-        >>> caught[0].category is jaxmp.MostlyFloat32Warning
+        >>> caught[0].category is jaxmp.debug.MostlyFloat32Warning
         True
     """
 
@@ -288,7 +288,7 @@ class Float8ShortfallWarning(UserWarning):
     and friends) traces a function with ``matmul_dtype=jnp.float8_e4m3fn`` (or
     ``float8_e5m2``), when a matrix product or convolution, or its backward
     products, cannot run in float8 for a reason other than the user's own
-    :class:`jaxmp.Float8Rules`: an operand that is not floating point, a product
+    :class:`jaxmp.experimental.Float8Rules`: an operand that is not floating point, a product
     inside a function with its own derivative rule (``jax.custom_vjp``,
     ``jax.custom_jvp``: autocast runs the rule as written), a product the
     autocast rules leave out of ``low_precision``. The message gives the share
@@ -321,7 +321,7 @@ class Float8ShortfallWarning(UserWarning):
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")
         ...     _ = jax.grad(f8)(jnp.ones((16, 16)), jnp.ones((8, 16)))
-        >>> caught[0].category is jaxmp.Float8ShortfallWarning
+        >>> caught[0].category is jaxmp.experimental.Float8ShortfallWarning
         True
         >>> "custom_vjp" in str(caught[0].message)
         True
@@ -466,7 +466,7 @@ def _warn_if_unblocked(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any,
     tensor. Says the extra FLOPs or the share, and the first such product.
     The products counted are those the program computes (``diff``, from
     :func:`differentiated_products`): the share is the one
-    :func:`jaxmp.matmul_flops` gives, with and without ``"mxfp8"``.
+    :func:`jaxmp.debug.matmul_flops` gives, with and without ``"mxfp8"``.
     """
     total = padding = per_tensor = 0
     first_padded = first_tensor = None
@@ -499,7 +499,7 @@ def _warn_if_unblocked(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any,
             f"{eqn.primitive.name} at {source.user_location(eqn, enclosing)}.\n"
             "  Fix: none needed where one scale per tensor suits them; to keep them in the "
             "compute dtype instead (which silences this), "
-            "jaxmp.Float8Rules(primitives={'dot_general'}).",
+            "jaxmp.experimental.Float8Rules(primitives={'dot_general'}).",
             Float8ShortfallWarning)
     if first_padded is not None:
         eqn, enclosing, phase, k = first_padded
@@ -510,14 +510,14 @@ def _warn_if_unblocked(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any,
             f"that are not a multiple of {recipe.block} with zeros: "
             f"{_percent(padding / total, 1)} more float8 matrix-product FLOPs for the same "
             "result (forward products, and the backward products of differentiated operands: "
-            "jaxmp.matmul_flops of this step with float8_scaling='mxfp8' over that with "
+            "jaxmp.debug.matmul_flops of this step with float8_scaling='mxfp8' over that with "
             f"'tensor'). The first is a {eqn.primitive.name} at "
             f"{source.user_location(eqn, enclosing)}: its {phase} product contracts {k} "
             f"elements, padded to {padded}.\n"
             f"  Fix: make that dimension a multiple of {recipe.block} (a head size, a width, "
             "batch x sequence length for the weight gradient); or keep the product in the "
-            "compute dtype with jaxmp.Float8Rules (keep_scopes=, keep_if=, min_flops=), or "
-            "use float8_scaling='tensor'.",
+            "compute dtype with jaxmp.experimental.Float8Rules (keep_scopes=, keep_if=, "
+            "min_flops=), or use float8_scaling='tensor'.",
             Float8ShortfallWarning)
     return warned
 
@@ -609,10 +609,10 @@ def warn_if_float8_shortfall(closed_jaxpr, rules: Any, float8_rules: Any, comput
         f"jaxmp: autocast with matmul_dtype={np.dtype(matmul_dtype).name} runs "
         f"{_percent(in_float8 / total)} of the matrix-product FLOPs of this function in "
         f"float8 (forward and backward products); {_percent(wider / total)} run wider for "
-        f"reasons other than your jaxmp.Float8Rules. The first is a {eqn.primitive.name} at "
-        f"{source.user_location(eqn, enclosing)}: {says}.\n"
+        f"reasons other than your jaxmp.experimental.Float8Rules. The first is a "
+        f"{eqn.primitive.name} at {source.user_location(eqn, enclosing)}: {says}.\n"
         f"  Fix: {_WIDER[why].fix}; or keep such products in the compute dtype on purpose "
-        "with jaxmp.Float8Rules (keep_scopes=, keep_if=, min_flops=), which also silences "
-        "this warning.",
+        "with jaxmp.experimental.Float8Rules (keep_scopes=, keep_if=, min_flops=), which also "
+        "silences this warning.",
         Float8ShortfallWarning,
     )

@@ -394,7 +394,7 @@ class UnknownEquationWarning(UserWarning):
     """Says that jaxmp met an equation it does not understand and ran it as written.
 
     Issued at trace time, once per primitive, by :func:`jaxmp.autocast` (and so
-    :func:`jaxmp.mp_value_and_grad`'s default), :func:`jaxmp.find_nonfinite`
+    :func:`jaxmp.mp_value_and_grad`'s default), :func:`jaxmp.debug.find_nonfinite`
     and the one-device evaluation of a ``shard_map``, when an equation's
     primitive has a body jaxmp has no rule for (a higher-order primitive new
     to it) or parameters it does not know (a JAX release changed them). The
@@ -404,7 +404,7 @@ class UnknownEquationWarning(UserWarning):
 
     Examples:
         >>> import jaxmp
-        >>> issubclass(jaxmp.UnknownEquationWarning, UserWarning)
+        >>> issubclass(jaxmp.debug.UnknownEquationWarning, UserWarning)
         True
     """
 

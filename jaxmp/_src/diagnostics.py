@@ -78,12 +78,12 @@ def saved_activation_bytes(
         >>> def loss(w, x):
         ...     return jnp.sum(jnp.tanh(x @ w))
         >>> w, x = jnp.ones((64, 64)), jnp.ones((128, 64))
-        >>> full = jaxmp.saved_activation_bytes(loss, w, x)
-        >>> half = jaxmp.saved_activation_bytes(jaxmp.cast_function(loss, jnp.float16), w, x)
+        >>> full = jaxmp.debug.saved_activation_bytes(loss, w, x)
+        >>> half = jaxmp.debug.saved_activation_bytes(jaxmp.cast_function(loss, jnp.float16), w, x)
         >>> full / half
         2.0
     """
-    casting.check_function(fn, "jaxmp.saved_activation_bytes",
+    casting.check_function(fn, "jaxmp.debug.saved_activation_bytes",
                            "saved_activation_bytes(fn, *args, argnums=0, has_aux=False)")
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     dynamic, static = casting.partition((args, kwargs), _is_dynamic)
@@ -347,7 +347,7 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", target: Any =
     Without ``target``, this counts the program jaxmp and JAX build, before XLA
     optimises it: what the step *asks* the compiler for. With ``target="h100"``
     (or ``"b200"``) it counts the optimized program XLA's GPU compiler makes for
-    that GPU (:func:`jaxmp.gpu_program`: compiled here, no GPU needed, JAX's CUDA
+    that GPU (:func:`jaxmp.debug.gpu_program`: compiled here, no GPU needed, JAX's CUDA
     plugin needed): what the GPU *runs*. The two differ where XLA widens float8
     operands before a product (the convolutions it cannot run in float8, the
     block-scaled dots of a GPU without them) or runs a product without tensor
@@ -366,7 +366,7 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", target: Any =
     under their float8 operands' dtype. A function called several times (a
     nested ``jit``) counts once per call, and the body of a ``lax.scan`` (or
     of a ``fori_loop`` with fixed bounds) once per iteration, as
-    :func:`jaxmp.precision_report` counts them: a whole training run in one
+    :func:`jaxmp.debug.precision_report` counts them: a whole training run in one
     ``jit`` counts every step. The body of a loop whose trip count is not
     fixed when traced (``lax.while_loop``, unless it counts from 0 to a
     constant by 1) counts once.
@@ -382,7 +382,7 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", target: Any =
             ``jax.ShapeDtypeStruct`` keeps its sharding.
         platform: the platform to lower for (without ``target``).
         target: ``None`` (the program before XLA), or a GPU target (``"h100"``,
-            ``"b200"``, a :class:`jaxmp.GpuTarget`): the optimized program for it.
+            ``"b200"``, a :class:`jaxmp.debug.GpuTarget`): the optimized program for it.
         **kwargs: keyword arguments.
 
     Returns:
@@ -392,10 +392,10 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", target: Any =
         >>> import jax.numpy as jnp
         >>> import jaxmp
         >>> a, b = jnp.ones((2, 3), jnp.float16), jnp.ones((3, 4), jnp.float16)
-        >>> jaxmp.matmul_flops(lambda a, b: a @ b, a, b)  # 2 * 2*3*4 multiply-adds
+        >>> jaxmp.debug.matmul_flops(lambda a, b: a @ b, a, b)  # 2 * 2*3*4 multiply-adds
         {'float16': 48}
     """
-    casting.check_function(fn, "jaxmp.matmul_flops", "matmul_flops(fn, *args, **kwargs)")
+    casting.check_function(fn, "jaxmp.debug.matmul_flops", "matmul_flops(fn, *args, **kwargs)")
     if target is not None:
         from jaxmp._src import gpu_program  # pylint: disable=import-outside-toplevel
         return gpu_program.gpu_program(fn, *args, target=target, **kwargs).matmul_flops()
@@ -421,9 +421,9 @@ def half_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", tar
         >>> def f(w, x):
         ...     return jnp.sum(x @ w)
         >>> w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
-        >>> jaxmp.half_matmul_flop_share(f, w, x)
+        >>> jaxmp.debug.half_matmul_flop_share(f, w, x)
         0.0
-        >>> jaxmp.half_matmul_flop_share(jaxmp.cast_function(f, jnp.float16), w, x)
+        >>> jaxmp.debug.half_matmul_flop_share(jaxmp.cast_function(f, jnp.float16), w, x)
         1.0
     """
     return low_precision_share(matmul_flops(fn, *args, platform=platform, target=target, **kwargs))
@@ -436,7 +436,7 @@ def float8_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", t
     Returns ``0.0`` for a function with no matrix products. Without
     ``target`` this is the share jaxmp *asks* XLA for; with ``target="h100"``
     (or ``"b200"``) the share that GPU runs on float8 tensor cores
-    (:func:`jaxmp.gpu_program`), which can be lower: XLA widens the float8
+    (:func:`jaxmp.debug.gpu_program`), which can be lower: XLA widens the float8
     operands of some products before running them.
 
     Examples:
@@ -445,9 +445,9 @@ def float8_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", t
         >>> def f(w, x):
         ...     return jnp.sum(x @ w)
         >>> w, x = jnp.ones((32, 32)), jnp.ones((16, 32))
-        >>> jaxmp.float8_matmul_flop_share(jaxmp.autocast(f, jnp.bfloat16), w, x)
+        >>> jaxmp.debug.float8_matmul_flop_share(jaxmp.autocast(f, jnp.bfloat16), w, x)
         0.0
-        >>> jaxmp.float8_matmul_flop_share(
+        >>> jaxmp.debug.float8_matmul_flop_share(
         ...     jaxmp.autocast(f, jnp.bfloat16, matmul_dtype=jnp.float8_e4m3fn), w, x)
         1.0
     """

@@ -38,7 +38,7 @@ kernel producing the operand.
 No state is carried between steps (no amax history): the scale of every
 tensor is computed from the tensor itself, in the step that uses it, as
 torchao's "tensorwise" recipe does. Which products stay in the compute
-dtype is decided by a :class:`jaxmp.Float8Rules` (small products, named
+dtype is decided by a :class:`jaxmp.experimental.Float8Rules` (small products, named
 scopes, a predicate).
 
 That is the ``"tensor"`` recipe. How a product is scaled is a row of one
@@ -114,13 +114,13 @@ def check_matmul_dtype(matmul_dtype: Any, compute_dtype: Any) -> np.dtype | None
 
 
 class Product(NamedTuple):
-    """What :class:`jaxmp.Float8Rules` sees of one matrix product.
+    """What :class:`jaxmp.experimental.Float8Rules` sees of one matrix product.
 
     Attributes:
         primitive: ``"dot_general"`` or ``"conv_general_dilated"``.
         lhs_shape: the shape of the left operand.
         rhs_shape: the shape of the right operand (the kernel of a convolution).
-        flops: ``2 *`` multiply-adds, as :func:`jaxmp.matmul_flops` counts them.
+        flops: ``2 *`` multiply-adds, as :func:`jaxmp.debug.matmul_flops` counts them.
         scope: the ``jax.named_scope`` names around the product, outermost
             first, joined by ``/`` (``""`` when there are none).
     """
@@ -157,9 +157,9 @@ class Float8Rules:
 
     Examples:
         >>> import jaxmp
-        >>> jaxmp.Float8Rules()
+        >>> jaxmp.experimental.Float8Rules()
         Float8Rules()
-        >>> rules = jaxmp.Float8Rules(min_flops=2**20, keep_scopes={"head"})
+        >>> rules = jaxmp.experimental.Float8Rules(min_flops=2**20, keep_scopes={"head"})
         >>> rules
         Float8Rules(min_flops=1048576, keep_scopes={'head'})
         >>> "head" in rules.keep_scopes
@@ -228,7 +228,7 @@ def placement(eqn, scope: str, low_precision: Iterable[str], rules: Float8Rules)
     """Whether :func:`jaxmp.autocast` with a float8 ``matmul_dtype`` runs ``eqn`` in float8.
 
     The one decision, asked by autocast to run the product and by the
-    census (``jaxmp.Float8ShortfallWarning``) to explain it. Returns ``None``
+    census (``jaxmp.experimental.Float8ShortfallWarning``) to explain it. Returns ``None``
     when the product runs in float8, else why not:
 
     * ``"float8_operand"``: the function gives it a float8 operand already; it
@@ -247,7 +247,7 @@ def placement(eqn, scope: str, low_precision: Iterable[str], rules: Float8Rules)
         eqn: a ``dot_general`` or ``conv_general_dilated`` equation.
         scope: the ``jax.named_scope`` path around it (see :class:`Product`).
         low_precision: ``AutocastRules.low_precision``.
-        rules: the :class:`jaxmp.Float8Rules`.
+        rules: the :class:`jaxmp.experimental.Float8Rules`.
     """
     dtypes = [np.dtype(v.aval.dtype) for v in eqn.invars]
     floats = [d for d in dtypes if casting.is_float_dtype(d)]
@@ -887,7 +887,7 @@ def recipe_for(recipe: Recipe, avals: Iterable[Any]) -> tuple[Recipe, Target]:
     """``(recipe that runs, target)`` for a product of ``recipe`` with operands ``avals``:
     chosen when the product is traced (:func:`compile_target`, :func:`recipe_on`);
     ``jaxmp``'s census says so once when it is the fallback
-    (``jaxmp.Float8ShortfallWarning``)."""
+    (``jaxmp.experimental.Float8ShortfallWarning``)."""
     target = compile_target(avals)
     return recipe_on(recipe, target), target
 

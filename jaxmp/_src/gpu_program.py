@@ -1,6 +1,6 @@
 """What an NVIDIA GPU runs: a step compiled for H100 or B200 without a GPU, and its census.
 
-jaxmp's other measures (:func:`jaxmp.matmul_flops` and the shares built on it)
+jaxmp's other measures (:func:`jaxmp.debug.matmul_flops` and the shares built on it)
 count the program *before* XLA optimises it: what jaxmp asked for. XLA's GPU
 compiler then chooses how each product runs (a cuBLAS or cuDNN library call, a
 Triton GEMM, or a ``dot`` inside a loop fusion that runs without tensor cores),
@@ -50,7 +50,7 @@ from jaxmp._src import source
 
 
 class GpuTarget(NamedTuple):
-    """A GPU that :func:`jaxmp.gpu_program` compiles for, and the rates its estimate uses.
+    """A GPU that :func:`jaxmp.debug.gpu_program` compiles for, and the rates its estimate uses.
 
     Attributes:
         name: the short name (``"h100"``, ``"b200"``).
@@ -66,7 +66,7 @@ class GpuTarget(NamedTuple):
 
     Examples:
         >>> import jaxmp
-        >>> h100 = jaxmp.GpuTarget.named("h100")
+        >>> h100 = jaxmp.debug.GpuTarget.named("h100")
         >>> h100.description, round(h100.rates["f8"] / h100.rates["f16"], 2)
         ('NVIDIA H100 SXM (sm_90)', 2.0)
         >>> # An H200 is an H100 (sm_90) with 4.8 TB/s: the same program, another estimate.
@@ -140,7 +140,7 @@ def get_target(name: str | GpuTarget) -> GpuTarget:
         return name
     if not isinstance(name, str) or name.lower() not in _TARGETS:
         raise ValueError(f"jaxmp: unknown GPU target {name!r}; the targets are "
-                         f"{', '.join(map(repr, _TARGETS))} (or a jaxmp.GpuTarget)")
+                         f"{', '.join(map(repr, _TARGETS))} (or a jaxmp.debug.GpuTarget)")
     return _target(name.lower())
 
 
@@ -250,7 +250,7 @@ class Product(NamedTuple):
 
     @property
     def dtype_key(self) -> str:
-        """The operand-dtype key of :func:`jaxmp.matmul_flops` for the types as executed; a
+        """The operand-dtype key of :func:`jaxmp.debug.matmul_flops` for the types as executed; a
         product without tensor cores counts as ``"float32"`` (``"float64"``), the arithmetic
         the loop emitter runs it in."""
         from jaxmp._src import diagnostics  # pylint: disable=import-outside-toplevel
@@ -587,16 +587,16 @@ class Kernel(NamedTuple):
 class GpuProgram:
     """The optimized GPU program of a function: its products, kernels, memory and time.
 
-    Made by :func:`jaxmp.gpu_program` (compiling a function) or
+    Made by :func:`jaxmp.debug.gpu_program` (compiling a function) or
     :meth:`GpuProgram.from_hlo` (reading an optimized HLO module's text).
 
     Attributes:
-        target: the :class:`jaxmp.GpuTarget` it was compiled for.
+        target: the :class:`jaxmp.debug.GpuTarget` it was compiled for.
         products: every matrix product and convolution (:class:`Product`).
         kernels: every kernel launch site (:class:`Kernel`).
         temp_bytes: XLA's scratch memory (``memory_analysis().temp_size_in_bytes``),
             ``None`` when read from text.
-        requested_flops: :func:`jaxmp.matmul_flops`' count of the program before
+        requested_flops: :func:`jaxmp.debug.matmul_flops`' count of the program before
             XLA (what jaxmp asked for), ``None`` when read from text.
         unknown_trip_counts: loops counted once because XLA does not know how
             often they run.
@@ -625,7 +625,7 @@ class GpuProgram:
             ...   %gemm = (f32[64,16]{1,0}, s8[1024]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
             ...   ROOT %out = f32[64,16]{1,0} get-tuple-element(%gemm), index=0
             ... }'''
-            >>> program = jaxmp.GpuProgram.from_hlo(text, "h100")
+            >>> program = jaxmp.debug.GpuProgram.from_hlo(text, "h100")
             >>> [(p.engine, p.lhs, p.rhs, p.flops) for p in program.products]
             [('cuBLAS', 'bf16', 'bf16', 65536)]
             >>> program.launches, program.bytes_written  # the workspace is not written to HBM
@@ -659,7 +659,7 @@ class GpuProgram:
         return sum(p.flops * p.runs for p in self.products)
 
     def matmul_flops(self) -> dict[str, int]:
-        """FLOPs by operand dtype *as executed*, keyed as :func:`jaxmp.matmul_flops` keys them.
+        """FLOPs by operand dtype *as executed*, keyed as :func:`jaxmp.debug.matmul_flops` does.
 
         A product whose float8 operands XLA widened counts under the wider dtype;
         a loop-fusion product counts under its operands' dtype.
@@ -821,12 +821,12 @@ def gpu_program(fn: Callable, *args: Any, target: str | GpuTarget = "h100",
         *args: its arguments: arrays, ``jax.ShapeDtypeStruct`` or any pytree of
             them (non-array leaves are closed over); nothing is computed.
         target: ``"h100"`` (sm_90) or ``"b200"`` (sm_100), or a
-            :class:`jaxmp.GpuTarget` (its ``config`` is what XLA compiles for; its
+            :class:`jaxmp.debug.GpuTarget` (its ``config`` is what XLA compiles for; its
             rates and bandwidth are what the estimate uses).
         **kwargs: keyword arguments of ``fn``.
 
     Returns:
-        A :class:`jaxmp.GpuProgram`.
+        A :class:`jaxmp.debug.GpuProgram`.
 
     Raises:
         RuntimeError: JAX's CUDA plugin is absent or did not register; the
@@ -839,7 +839,7 @@ def gpu_program(fn: Callable, *args: Any, target: str | GpuTarget = "h100",
         ...     return jnp.tanh(x @ w)
         >>> w = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16)
         >>> x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
-        >>> program = jaxmp.gpu_program(f, w, x, target="h100")  # doctest: +SKIP
+        >>> program = jaxmp.debug.gpu_program(f, w, x, target="h100")  # doctest: +SKIP
         >>> [(p.engine, p.lhs, p.rhs) for p in program.products]  # doctest: +SKIP
         [('Triton', 'bf16', 'bf16')]
     """
@@ -891,11 +891,12 @@ _SHORTFALL = {
     "convolution": (
         "XLA runs a float8 convolution in float8 only where cuDNN has a float8 graph for it "
         "(forward convolutions); it widens the operands of the others",
-        "keep convolutions in the compute dtype with jaxmp.Float8Rules(primitives="
+        "keep convolutions in the compute dtype with jaxmp.experimental.Float8Rules(primitives="
         "{\"dot_general\"})"),
     "other": (
         "XLA widened its operands before the product",
-        "print(jaxmp.gpu_program(step, *args, target=...)) lists how every product is compiled"),
+        "print(jaxmp.debug.gpu_program(step, *args, target=...)) lists how every product is "
+        "compiled"),
 }
 
 
@@ -910,8 +911,9 @@ def _wider_first(program: GpuProgram) -> Product | None:
 
 
 def warn_if_float8_shortfall(program: GpuProgram, tolerance: float = 0.005) -> bool:
-    """Warns (:class:`jaxmp.Float8ShortfallWarning`) when the GPU runs a smaller share of the
-    product FLOPs in float8 than the program before XLA asks for; returns whether it warned."""
+    """Warns (:class:`jaxmp.experimental.Float8ShortfallWarning`) when the GPU runs a smaller
+    share of the product FLOPs in float8 than the program before XLA asks for; returns whether
+    it warned."""
     from jaxmp._src import census  # pylint: disable=import-outside-toplevel
     requested = program.requested_float8_share
     native = program.float8_native_share
@@ -931,7 +933,7 @@ def warn_if_float8_shortfall(program: GpuProgram, tolerance: float = 0.005) -> b
         ("gpu_program", program.target.name, where, first.kind, first.engine),
         f"jaxmp: on {program.target.description} XLA runs {census._percent(native)} of the "
         f"matrix-product FLOPs of this program on float8 tensor cores, where jaxmp asks for "
-        f"{census._percent(requested)} (the program before XLA; jaxmp.matmul_flops without "
+        f"{census._percent(requested)} (the program before XLA; jaxmp.debug.matmul_flops without "
         f"target). The first product that runs wider is a {first.kind} compiled as "
         f"{first.how} on {first.lhs} x {first.rhs} operands at {where}: "
         f"{why}.\n  Fix: {fix}.",

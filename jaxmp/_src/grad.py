@@ -42,7 +42,7 @@ def mp_value_and_grad(
        all arguments to ``compute_dtype`` (integer arrays, keys and non-array
        leaves are left alone) and runs ``fn`` as written; if less than half of
        the matrix-product FLOPs then have half-precision operands, a
-       :class:`jaxmp.MostlyFloat32Warning` says so once, while tracing;
+       :class:`jaxmp.debug.MostlyFloat32Warning` says so once, while tracing;
     2. converts the loss to float32 and only then multiplies it by the scale,
        so the scaled loss cannot overflow float16;
     3. differentiates the scaled loss with respect to the floating-point leaves

@@ -148,7 +148,7 @@ def no_host_callbacks():
     """Within this block, steps traced by jaxmp contain no host callback.
 
     For programs lowered for another platform than the machine's (the GPU
-    FLOP count of :func:`jaxmp.matmul_flops` on a CPU-only machine): a host
+    FLOP count of :func:`jaxmp.debug.matmul_flops` on a CPU-only machine): a host
     callback cannot be lowered there. Training steps never need it.
     """
     with _HOST_CALLBACKS(False):

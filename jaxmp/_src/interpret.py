@@ -36,7 +36,7 @@ The API:
 * An equation the interpreter does not understand (parameters a JAX release
   changed, or a higher-order primitive without a handler) runs as written
   (:meth:`~Interpreter.as_written`), and a
-  :class:`~jaxmp.UnknownEquationWarning` names its primitive once.
+  :class:`~jaxmp.debug.UnknownEquationWarning` names its primitive once.
 
 A handler is ``handler(interpreter, eqn, invals) -> list of outvals``; it
 calls ``interpreter.eval_closed`` (or ``eval_jaxpr``) on the sub-jaxprs.

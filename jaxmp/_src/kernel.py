@@ -206,14 +206,14 @@ def returned_state_dtypes(aux: PyTree, states: Sequence[PyTree]) -> PyTree:
     def restore(node):
         found = template_of(node)
         if found is None:
-            return casting.cast_to_float32(node)
+            return casting.cast_tree(node, jnp.float32)
         treedef, leaves, t_leaves = found
         return jax.tree_util.tree_unflatten(treedef, [
             x.astype(t.dtype) if casting.is_float_array(x) and casting.is_float_array(t) else x
             for x, t in zip(leaves, t_leaves)])
 
     if not templates:
-        return casting.cast_to_float32(aux)
+        return casting.cast_tree(aux, jnp.float32)
     return jax.tree_util.tree_map(restore, aux, is_leaf=lambda n: template_of(n) is not None)
 
 

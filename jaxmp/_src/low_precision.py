@@ -54,7 +54,7 @@ ROUNDINGS = {
 
 @struct.dataclass
 class LowPrecisionState:
-    """The state of :func:`jaxmp.low_precision_optimizer`.
+    """The state of :func:`jaxmp.experimental.low_precision_optimizer`.
 
     The settings (``state_dtype``, ``param_rounding``) live in the
     transformation, not here: this holds only numbers, so it checkpoints and
@@ -82,11 +82,13 @@ class LowPrecisionState:
     Examples:
         >>> import jax.numpy as jnp, optax
         >>> import jaxmp
-        >>> tx = jaxmp.low_precision_optimizer(optax.adam(1e-3), param_rounding="kahan")
+        >>> tx = jaxmp.experimental.low_precision_optimizer(optax.adam(1e-3),
+        ...                                                 param_rounding="kahan")
         >>> state = tx.init({"w": jnp.zeros(3, jnp.bfloat16)})
         >>> state.inner[0].mu["w"].dtype, state.compensation["w"].dtype, state.key
         (dtype(bfloat16), dtype(bfloat16), None)
-        >>> multi = jaxmp.low_precision_optimizer(optax.MultiSteps(optax.adam(1e-3), 4))
+        >>> multi = jaxmp.experimental.low_precision_optimizer(
+        ...     optax.MultiSteps(optax.adam(1e-3), 4))
         >>> int(multi.init({"w": jnp.zeros(3, jnp.bfloat16)}).gradient_step)  # the inner field
         0
     """
@@ -284,7 +286,7 @@ def _half_update(rounding: _Rounding, p, u, c, bits):
 def _check_params(params: PyTree) -> None:
     if params is None:
         raise ValueError(
-            "jaxmp.low_precision_optimizer: update(...) needs the parameters: call "
+            "jaxmp.experimental.low_precision_optimizer: update(...) needs the parameters: call "
             "tx.update(grads, state, params) (jaxmp.optimizer_update does). The rounding of "
             "half-precision parameters depends on their current values.")
 
@@ -354,7 +356,7 @@ def low_precision_optimizer(
 
     Returns:
         An ``optax.GradientTransformationExtraArgs`` whose state is a
-        :class:`jaxmp.LowPrecisionState`.
+        :class:`jaxmp.experimental.LowPrecisionState`.
 
     Raises:
         TypeError: if ``inner`` is not an optax transformation or ``seed`` is
@@ -365,7 +367,7 @@ def low_precision_optimizer(
     Examples:
         >>> import jax.numpy as jnp, optax
         >>> import jaxmp
-        >>> tx = jaxmp.low_precision_optimizer(optax.sgd(1e-3), param_rounding="kahan")
+        >>> tx = jaxmp.experimental.low_precision_optimizer(optax.sgd(1e-3), param_rounding="kahan")
         >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
         >>> state = tx.init(params)
         >>> grads = {"w": jnp.ones(2, jnp.bfloat16)}
@@ -378,8 +380,8 @@ def low_precision_optimizer(
         inner = inner.gradient_transformation()
     if not isinstance(inner, optax.GradientTransformation):
         raise TypeError(
-            "jaxmp.low_precision_optimizer wraps an optax transformation (e.g. optax.adam(1e-3)); "
-            f"got {type(inner).__name__}.")
+            "jaxmp.experimental.low_precision_optimizer wraps an optax transformation (e.g. "
+            f"optax.adam(1e-3)); got {type(inner).__name__}.")
     state_dtype = casting.canonical_float_dtype(state_dtype, what="state_dtype")
     if param_rounding not in ROUNDINGS:
         raise ValueError(
@@ -406,8 +408,9 @@ def low_precision_optimizer(
     def update(updates, state, params=None, **extra_args):
         if not isinstance(state, LowPrecisionState):
             raise TypeError(
-                "jaxmp.low_precision_optimizer: the state is not a LowPrecisionState (got "
-                f"{type(state).__name__}); pass the state returned by this transformation's init.")
+                "jaxmp.experimental.low_precision_optimizer: the state is not a LowPrecisionState "
+                f"(got {type(state).__name__}); pass the state returned by this transformation's "
+                "init.")
         _check_params(params)
         compensation = state.compensation
         wide_params = casting.widen_half(params)
@@ -459,14 +462,15 @@ def _check_compensation(params: PyTree, compensation: PyTree) -> None:
                 c.dtype != p.dtype or c.shape != p.shape)):
             buffer = "no buffer" if c is None else f"a {c.dtype}{list(c.shape)} buffer"
             raise ValueError(
-                "jaxmp.low_precision_optimizer: the parameters do not match the Kahan "
+                "jaxmp.experimental.low_precision_optimizer: the parameters do not match the Kahan "
                 "compensation buffer made by init: the parameter at "
                 f"{jax.tree_util.keystr(path) or 'the root'} is "
                 f"{getattr(p, 'dtype', p)}{list(np.shape(p))}, and init made {buffer} for it "
                 "(init saw it in another dtype or shape, e.g. float32 parameters cast to "
                 "bfloat16 after init). Call init on the parameters in the dtypes they are "
-                "trained in: tx.init(jaxmp.cast_to_bfloat16(params)); with flax's TrainState, "
-                "TrainState.create(apply_fn=..., params=jaxmp.cast_to_bfloat16(params), tx=tx).")
+                "trained in: tx.init(jaxmp.cast_tree(params, jnp.bfloat16)); with flax's "
+                "TrainState, TrainState.create(apply_fn=..., "
+                "params=jaxmp.cast_tree(params, jnp.bfloat16), tx=tx).")
         return None
 
     try:
@@ -476,5 +480,5 @@ def _check_compensation(params: PyTree, compensation: PyTree) -> None:
         if "Kahan" in str(e):
             raise
         raise ValueError(
-            "jaxmp.low_precision_optimizer: the parameters do not have the structure of the "
-            "Kahan compensation buffer made by init.") from e
+            "jaxmp.experimental.low_precision_optimizer: the parameters do not have the structure "
+            "of the Kahan compensation buffer made by init.") from e

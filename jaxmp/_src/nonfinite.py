@@ -123,7 +123,7 @@ class Finding(NamedTuple):
         >>> import jax.numpy as jnp
         >>> import jaxmp
         >>> loss_fn = lambda w: jnp.log(jnp.sum(jnp.exp(w)))
-        >>> find = jaxmp.find_nonfinite(loss_fn, jnp.float16, autocast=False)
+        >>> find = jaxmp.debug.find_nonfinite(loss_fn, jnp.float16, autocast=False)
         >>> finding = find(jnp.full((2,), 12.0)).findings[0]
         >>> finding.phase, finding.kind, finding.primitive, finding.float32_max > 65504
         ('forward', 'overflow', 'exp', True)
@@ -163,7 +163,7 @@ class NonfiniteReport(NamedTuple):
     Examples:
         >>> import jax.numpy as jnp
         >>> import jaxmp
-        >>> report = jaxmp.find_nonfinite(lambda w: jnp.mean(w * w))(jnp.ones(3))
+        >>> report = jaxmp.debug.find_nonfinite(lambda w: jnp.mean(w * w))(jnp.ones(3))
         >>> bool(report), len(report.findings), report.compute_dtype, report.loss
         (False, 0, 'bfloat16', 1.0)
     """
@@ -926,7 +926,7 @@ def find_nonfinite(
     float32 has non-zero values; each with the line of your code it comes
     from (or the pytree path of the argument leaf whose cast went wrong), the
     magnitudes of the result in half precision and in float32 (see
-    :class:`jaxmp.Finding`), and a hint. ``print`` the report for a table
+    :class:`jaxmp.debug.Finding`), and a hint. ``print`` the report for a table
     whose columns are explained under it.
 
     It is a debugging tool: it runs eagerly, operation by operation, each
@@ -1013,7 +1013,7 @@ def find_nonfinite(
         ...     return jnp.mean(jnp.exp(x @ w))
         >>> w, x = jnp.full((4,), 3.0), jnp.ones((2, 4))
         >>> # float16, inputs cast (autocast=False): exp(12) > 65504
-        >>> report = jaxmp.find_nonfinite(loss_fn, jnp.float16, autocast=False)(w, x)
+        >>> report = jaxmp.debug.find_nonfinite(loss_fn, jnp.float16, autocast=False)(w, x)
         >>> bool(report), report.findings[0].phase, report.findings[0].primitive
         (True, 'forward', 'exp')
 
@@ -1022,7 +1022,7 @@ def find_nonfinite(
         >>> def centred_loss(w, x):  # x: one example; the mean is over the batch axis
         ...     h = x @ w
         ...     return jnp.mean((h - jax.lax.pmean(h, "batch")) ** 2)
-        >>> find = jaxmp.find_nonfinite(
+        >>> find = jaxmp.debug.find_nonfinite(
         ...     centred_loss, jnp.float16, axis_name="batch",
         ...     mapped=lambda f: jax.vmap(f, in_axes=(None, 0), axis_name="batch"))
         >>> report = find(jnp.full((4, 2), 100.0), jnp.arange(12.0).reshape(3, 4) * 50)
@@ -1038,20 +1038,20 @@ def find_nonfinite(
         ...     return jnp.mean((h - jax.lax.pmean(jnp.mean(h, 0), "batch")) ** 2)
         >>> n = jax.local_device_count()
         >>> x = jnp.arange(12.0 * n).reshape(n, 3, 4) * 50
-        >>> find = jaxmp.find_nonfinite(
+        >>> find = jaxmp.debug.find_nonfinite(
         ...     device_loss, jnp.float16, axis_name="batch",
         ...     mapped=lambda f: jax.pmap(f, axis_name="batch", in_axes=(None, 0)))
         >>> find(jnp.full((4, 2), 100.0), x).findings[0].primitive
         'dot_general'
         >>> batch = x.reshape(-1, 4)
-        >>> find = jaxmp.find_nonfinite(lambda w: device_loss(w, batch), jnp.float16,
+        >>> find = jaxmp.debug.find_nonfinite(lambda w: device_loss(w, batch), jnp.float16,
         ...                             axis_name="batch")
         >>> find(jnp.full((4, 2), 100.0)).findings[0].primitive
         'dot_general'
     """
     # The very step mp_value_and_grad runs: same validation, casts and scaled loss.
     step = kernel.Step.create(
-        loss_fn, api="jaxmp.find_nonfinite", argnums=argnums, no_cast_argnums=no_cast_argnums,
+        loss_fn, api="jaxmp.debug.find_nonfinite", argnums=argnums, no_cast_argnums=no_cast_argnums,
         has_aux=has_aux, compute_dtype=compute_dtype, use_mixed_precision=True,
         axis_name=axis_name, autocast=autocast, reduce_dtype=reduce_dtype, matmul_dtype=matmul_dtype,
         float8_scaling=float8_scaling)
@@ -1073,9 +1073,9 @@ def find_nonfinite(
     def report_fn(*args, scaler_state=None, **kwargs) -> NonfiniteReport:
         if any(compat.is_tracer(x) for x in jax.tree_util.tree_leaves((args, kwargs))):
             raise TypeError(
-                "The function returned by jaxmp.find_nonfinite returns a report (Python data) "
-                "and must be called outside jit, vmap, pmap and shard_map. To diagnose a step "
-                "that runs under one of them, pass find_nonfinite(..., axis_name=..., "
+                "The function returned by jaxmp.debug.find_nonfinite returns a report (Python "
+                "data) and must be called outside jit, vmap, pmap and shard_map. To diagnose a "
+                "step that runs under one of them, pass find_nonfinite(..., axis_name=..., "
                 "mapped=lambda f: jax.vmap(f, ..., axis_name=...)) (or the jax.pmap or "
                 "jax.shard_map of your step) and call it on the whole batch.")
         if scaler_state is None:

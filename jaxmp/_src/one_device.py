@@ -1,6 +1,6 @@
 """A ``shard_map`` (and so a ``pmap``) as one program on one device: its body under ``vmap``s.
 
-:func:`jaxmp.find_nonfinite` evaluates a step one operation at a time, on
+:func:`jaxmp.debug.find_nonfinite` evaluates a step one operation at a time, on
 concrete arrays. A step mapped over devices binds its axes only inside the
 mapping, where every value is traced, so that evaluation cannot look inside
 it. This module rewrites a ``shard_map`` equation (``jax.pmap`` is one too) as

@@ -39,7 +39,7 @@ _MOVES = compat.MOVES
 # rules) are said in its words (``_explain``).
 _REASONS = {
     "kept": census._Why(
-        "it runs in {compute}: your jaxmp.Float8Rules keep it there (a named scope in "
+        "it runs in {compute}: your jaxmp.experimental.Float8Rules keep it there (a named scope in "
         "keep_scopes, min_flops or keep_if), or it is outside the function autocast runs "
         "with matmul_dtype",
         "drop it from the rules to run it in float8"),
@@ -87,7 +87,7 @@ class LayerFlops(NamedTuple):
         layer: the layer path (``"Net/Conv_0"``; ``""`` for products with no
             name at all).
         phase: ``"forward"`` or ``"backward"``.
-        flops: FLOPs by operand dtype, as :func:`jaxmp.matmul_flops` names them
+        flops: FLOPs by operand dtype, as :func:`jaxmp.debug.matmul_flops` names them
             (``"bfloat16"``, ``"float32"``, ``"float8_e4m3fn+float8_e5m2"``,
             ``"mixed"``...).
     """
@@ -105,7 +105,7 @@ class Wider(NamedTuple):
         phase: ``"forward"`` or ``"backward"``.
         dtype: their operand dtype key (as in :class:`LayerFlops`).
         flops: their FLOPs.
-        reason: why: ``"kept"`` (your :class:`jaxmp.Float8Rules`), ``"user"``
+        reason: why: ``"kept"`` (your :class:`jaxmp.experimental.Float8Rules`), ``"user"``
             (an operand your code made: a layer with its own dtype, a value
             captured by a closure), ``"forced"`` (inside
             :func:`jaxmp.force_full_precision`), ``"outside"`` (a product outside
@@ -136,20 +136,20 @@ class PrecisionReport(NamedTuple):
         layers: ``LayerFlops(layer, phase, flops)`` named tuples, one per
             layer path and pass (``"forward"``, ``"backward"``), forward pass
             first, each in program order; ``flops`` maps operand dtype keys
-            (those of :func:`jaxmp.matmul_flops`) to FLOPs.
+            (those of :func:`jaxmp.debug.matmul_flops`) to FLOPs.
         wider: ``Wider(layer, phase, dtype, flops, reason, says, fix, where)``
             named tuples, one per layer path, pass, dtype and reason whose
             products are not in the requested precision; ``reason`` is
             ``"user"`` (an operand your code made wider), ``"forced"`` (inside
             :func:`jaxmp.force_full_precision`), ``"outside"`` (outside the
             functions autocast runs), ``"kept"`` (your
-            :class:`jaxmp.Float8Rules`), ``"rules"`` (left out of the autocast
+            :class:`jaxmp.experimental.Float8Rules`), ``"rules"`` (left out of the autocast
             rules' ``low_precision``), ``"operand"``, ``"float8_operand"`` or
             ``"custom_rule"`` (not supported); ``where`` is your file and line.
         requested: the precision asked for (``"bfloat16"``, ``"float8"``, or
             ``"half precision"`` when no dtype was given).
         compiled: with ``precision_report(..., target="h100")``, the
-            :class:`jaxmp.GpuProgram` of the step compiled for that GPU (what it
+            :class:`jaxmp.debug.GpuProgram` of the step compiled for that GPU (what it
             runs: XLA may widen products the rows above count in float8);
             ``None`` otherwise.
 
@@ -158,7 +158,7 @@ class PrecisionReport(NamedTuple):
         >>> import jaxmp
         >>> def f(w, x):
         ...     return jnp.sum(x @ w)
-        >>> report = jaxmp.precision_report(f, jnp.ones((8, 8)), jnp.ones((4, 8)))
+        >>> report = jaxmp.debug.precision_report(f, jnp.ones((8, 8)), jnp.ones((4, 8)))
         >>> report.totals
         {'float32': 512}
         >>> report.wider[0].reason, report.wider[0].phase
@@ -172,7 +172,7 @@ class PrecisionReport(NamedTuple):
 
     @property
     def totals(self) -> dict:
-        """FLOPs by operand dtype over all layers (the keys of :func:`jaxmp.matmul_flops`)."""
+        """FLOPs by operand dtype over all layers (the keys of :func:`jaxmp.debug.matmul_flops`)."""
         totals: dict = {}
         for row in self.layers:
             for key, value in row.flops.items():
@@ -298,7 +298,7 @@ def layer_path(name_stack: str) -> str:
 
 
 def _dtype_key(eqn) -> str:
-    """The operand dtype key of a product, as :func:`jaxmp.matmul_flops` names it."""
+    """The operand dtype key of a product, as :func:`jaxmp.debug.matmul_flops` names it."""
     return diagnostics.product_key(*(np.dtype(v.aval.dtype).name for v in eqn.invars[:2]))
 
 
@@ -521,11 +521,11 @@ def precision_report(fn: Callable, *args: Any, compute_dtype: Any = None,
     paths, Equinox's), forward and backward products apart (a backward product
     is the transpose of a forward one; it keeps the forward product's names).
     FLOPs are ``2 *`` multiply-adds, by operand dtype as
-    :func:`jaxmp.matmul_flops` names them, with the same totals: a
+    :func:`jaxmp.debug.matmul_flops` names them, with the same totals: a
     ``scan``'s body (and a counted ``while`` loop's) once per iteration.
 
     Each product not in the requested precision is listed with the line of
-    your code it comes from and why: kept by your :class:`jaxmp.Float8Rules`;
+    your code it comes from and why: kept by your :class:`jaxmp.experimental.Float8Rules`;
     an operand your code made wider (a layer with ``dtype=jnp.float32``, a
     batch captured by a closure, an argument that is not cast); outside the
     functions jaxmp runs under autocast (a rollout's forward pass beside the
@@ -544,13 +544,13 @@ def precision_report(fn: Callable, *args: Any, compute_dtype: Any = None,
             float8 (``autocast(..., matmul_dtype=...)``): products not in
             float8 are then listed.
         target: ``None``, or a GPU target (``"h100"``, ``"b200"``): the step is
-            also compiled for it (:func:`jaxmp.gpu_program`, no GPU needed, JAX's
+            also compiled for it (:func:`jaxmp.debug.gpu_program`, no GPU needed, JAX's
             CUDA plugin needed) and the report says what that GPU runs, which
             may be wider than the rows (XLA widens some float8 products).
         **kwargs: keyword arguments of ``fn`` (``scaler_state=``...).
 
     Returns:
-        A :class:`jaxmp.PrecisionReport`: ``print`` it for a table, or read
+        A :class:`jaxmp.debug.PrecisionReport`: ``print`` it for a table, or read
         its ``layers``, ``wider`` and ``totals``.
 
     Examples:
@@ -562,14 +562,14 @@ def precision_report(fn: Callable, *args: Any, compute_dtype: Any = None,
         ...     return jnp.mean(h ** 2)
         >>> step = jaxmp.mp_value_and_grad(loss_fn, compute_dtype=jnp.bfloat16)
         >>> w, x = jnp.ones((16, 16)), jnp.ones((8, 16))
-        >>> report = jaxmp.precision_report(step, w, x, scaler_state=jaxmp.noop_scaler(),
+        >>> report = jaxmp.debug.precision_report(step, w, x, scaler_state=jaxmp.noop_scaler(),
         ...                                 compute_dtype=jnp.bfloat16)
         >>> [(row.layer, row.phase, row.flops) for row in report.layers]
         [('encoder', 'forward', {'bfloat16': 4096}), ('encoder', 'backward', {'bfloat16': 4096})]
         >>> report.wider
         ()
     """
-    casting.check_function(fn, "jaxmp.precision_report",
+    casting.check_function(fn, "jaxmp.debug.precision_report",
                            "precision_report(fn, *args, compute_dtype=None, **kwargs)")
     compute = None
     if compute_dtype is not None:

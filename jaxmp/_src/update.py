@@ -77,9 +77,9 @@ def _changed_leaf_message(path: Any, new: jax.Array, old: jax.Array) -> str:
         message += (
             f" Make both {old.dtype}: create the old value in the dtype the step returns "
             "(initialise framework state, e.g. Haiku's or Flax's batch statistics, from a "
-            "float32 batch or cast it with jaxmp.cast_to_float32; initialise the optimizer on "
-            "the parameters in the dtype they are trained in), or cast the new value back "
-            "with jax.tree.map(lambda n, o: n.astype(o.dtype), new, old).")
+            "float32 batch or cast it with jaxmp.cast_tree(state, jnp.float32); initialise the "
+            "optimizer on the parameters in the dtype they are trained in), or cast the new value "
+            "back with jax.tree.map(lambda n, o: n.astype(o.dtype), new, old).")
     return message
 
 
@@ -89,11 +89,12 @@ def _warn_update_not_finite() -> None:
         "jaxmp.optimizer_update: the gradients were finite but the optimizer's update (or the "
         "updated parameters) was not, so the step was skipped. This happens when parameters or "
         "optimizer state are kept in half precision (Adam's second moment or an update overflows "
-        "float16). Keep master weights in float32: cast them with jaxmp.cast_to_float32 before "
-        "optimizer.init, and let mp_value_and_grad cast them to the compute dtype; with Haiku "
-        "policies use params=float32 (jaxmp.get_policy('p=f32,c=f16,o=f32')). To keep "
+        "float16). Keep master weights in float32: cast them with "
+        "jaxmp.cast_tree(params, jnp.float32) before optimizer.init, and let mp_value_and_grad "
+        "cast them to the compute dtype; with Haiku policies use params=float32 "
+        "(jaxmp.get_policy('p=f32,c=f16,o=f32')). To keep "
         "half-precision parameters, keep them in bfloat16 (float32's range) with "
-        "jaxmp.low_precision_optimizer(..., param_rounding='stochastic').",
+        "jaxmp.experimental.low_precision_optimizer(..., param_rounding='stochastic').",
         RuntimeWarning,
         stacklevel=1,
     )
@@ -297,8 +298,8 @@ def warn_if_half_master_weights(diff: PyTree, state: loss_scale.ScalerState,
         "float32: mp_value_and_grad casts them to the compute dtype for the forward and "
         "backward pass, and the optimizer then updates float32 values (in half precision, "
         "small updates round away and Adam's moments overflow). Cast them with "
-        "jaxmp.cast_to_float32 before optimizer.init; with Haiku, set policies after init or "
-        "use params=float32 (jaxmp.get_policy('p=f32,c=f16,o=f32')).",
+        "jaxmp.cast_tree(params, jnp.float32) before optimizer.init; with Haiku, set policies "
+        "after init or use params=float32 (jaxmp.get_policy('p=f32,c=f16,o=f32')).",
         UserWarning,
         stacklevel=3,
     )

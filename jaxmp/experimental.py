@@ -1,0 +1,30 @@
+"""Less mature features: float8 matrix products and optimizer state in low precision.
+
+These work and are tested, but their interface may change between minor
+versions more readily than the rest of jaxmp's. Float8 products are asked for
+with ``matmul_dtype=jnp.float8_e4m3fn`` (of :func:`jaxmp.mp_value_and_grad`
+and :func:`jaxmp.autocast`); :class:`Float8Rules` chooses which products run in
+float8. :func:`low_precision_optimizer` keeps an optimizer's state and the
+parameters in bfloat16, with no float32 copy.
+
+Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import jaxmp
+    >>> tx = jaxmp.experimental.low_precision_optimizer(optax.adam(1e-3))
+    >>> state = tx.init({"w": jnp.ones(4, jnp.bfloat16)})
+    >>> type(state).__name__
+    'LowPrecisionState'
+"""
+
+from jaxmp._src.census import Float8ShortfallWarning
+from jaxmp._src.float8 import Float8Rules
+from jaxmp._src.low_precision import low_precision_optimizer
+from jaxmp._src.low_precision import LowPrecisionState
+
+__all__ = (
+    "Float8Rules",
+    "Float8ShortfallWarning",
+    "low_precision_optimizer",
+    "LowPrecisionState",
+)
