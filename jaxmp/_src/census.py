@@ -13,14 +13,12 @@ autocast cannot run in float8, and why.
 Each warning is said once per place in the user's code (the first product it
 names, :func:`source.location_key`), not once per trace: a loss re-created
 inside a jitted step, traced again at new shapes, or traced by the FLOP tools
-says it once (:func:`warn_once`).
+says it once (:func:`messages.warn_once`).
 """
 
 from __future__ import annotations
 
 import math
-import sys
-import warnings
 from typing import Any, Iterator, NamedTuple
 
 import numpy as np
@@ -28,6 +26,7 @@ import numpy as np
 from jaxmp._src import casting
 from jaxmp._src import compat
 from jaxmp._src import float8
+from jaxmp._src import messages
 from jaxmp._src import source
 
 _PRODUCTS = compat.PRODUCTS
@@ -196,56 +195,12 @@ def census(jaxpr) -> Iterator[tuple[Any, int, tuple]]:
             yield eqn, repeat * _flops(eqn), enclosing
 
 
-# The warnings said, by key, to the listener they were said to (see ``warn_once``).
-_said: dict = {"listener": None, "keys": set()}
-
-
-def _listener() -> tuple:
-    """What shows a warning now: a ``catch_warnings(record=True)`` block installs a new one."""
-    return getattr(warnings, "_showwarnmsg_impl", None), warnings.showwarning
-
-
-def warn_once(key: Any, message: str, category: type) -> bool:
-    """Warns ``message`` unless a warning with ``key`` was said already; returns whether it warned.
-
-    ``key`` names the place in the user's code (:func:`source.location_key`),
-    so that tracing the same code again says nothing, whatever the filters
-    (``"always"`` included). The record lasts as long as warnings are shown
-    the same way: a ``warnings.catch_warnings(record=True)`` block (as
-    ``pytest.warns`` and pytest's capture of each test's warnings use)
-    starts a new one, so a test can count what a function says; a block that
-    only changes filters (as ``equinox.filter_jit`` wraps its calls in) does
-    not. A warning turned into an error by a filter is not recorded (it is
-    raised again next time).
-    """
-    listener = _listener()
-    if (_said["listener"] is None
-            or any(a is not b for a, b in zip(_said["listener"], listener))):
-        _said["listener"], _said["keys"] = listener, set()
-    key = (category.__name__, key)
-    if key in _said["keys"]:
-        return False
-    warnings.warn(message, category, stacklevel=_user_stacklevel())
-    _said["keys"].add(key)
-    return True
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` (for a ``warnings.warn`` in :func:`warn_once`) of the innermost frame
-    in the user's code: the call of the traced function, past jaxmp's, JAX's and a framework's
-    own frames (``equinox.filter_jit``)."""
-    frame, level = sys._getframe(2), 2  # pylint: disable=protected-access  (warn_once's caller)
-    while frame is not None and source.in_library(frame.f_code.co_filename):
-        frame, level = frame.f_back, level + 1
-    return level if frame is not None else 2
-
-
 def warn_if_mostly_float32(closed_jaxpr, compute_dtype: Any, api: str) -> bool:
     """Warns when under half of the product FLOPs of ``closed_jaxpr`` have half-precision operands.
 
     Returns whether it warned. Names the first product with a float32 operand
     by the user's file and line, with its operand dtypes, and the fix. Said
-    once per such product (:func:`warn_once`).
+    once per such product (:func:`messages.warn_once`).
     """
     if not casting.is_half_dtype(compute_dtype):
         return False
@@ -262,7 +217,7 @@ def warn_if_mostly_float32(closed_jaxpr, compute_dtype: Any, api: str) -> bool:
         return False
     eqn, enclosing, dtypes = first
     where = source.user_location(eqn, enclosing)
-    return warn_once(
+    return messages.warn_once(
         source.location_key(eqn, enclosing),
         f"jaxmp: this {api} step was traced with compute_dtype={np.dtype(compute_dtype).name} "
         f"but runs only {half / total:.0%} of its matrix-product FLOPs in half precision: "
@@ -414,16 +369,6 @@ def _float8_gradients(eqn, backward: bool) -> tuple[bool, bool]:
     return True, True
 
 
-def _percent(share: float, digits: int = 0) -> str:
-    """``share`` as a percentage that reads 100% or 0% only when it is exactly that."""
-    text = f"{share:.{digits}%}"
-    if float(text[:-1]) == 100 and share < 1:
-        return f">{100 - 10 ** -digits:g}%"
-    if float(text[:-1]) == 0 and share > 0:
-        return f"<{10 ** -digits:g}%"
-    return text
-
-
 def _contracted(eqn) -> list[tuple[str, int]]:
     """``(product, elements contracted)`` of a ``dot_general`` and of its two backward products.
 
@@ -490,11 +435,11 @@ def _warn_if_unblocked(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any,
     warned = False
     if first_tensor is not None:
         eqn, enclosing = first_tensor
-        warned |= warn_once(
+        warned |= messages.warn_once(
             (source.location_key(eqn, enclosing), "per_tensor", recipe.name),
             f"jaxmp: autocast with float8_scaling={recipe.name!r} runs "
-            f"{_percent(per_tensor / total)} of the float8 matrix-product FLOPs of this function "
-            f"with one scale per tensor instead: {recipe.name} scales "
+            f"{messages.percent(per_tensor / total)} of the float8 matrix-product FLOPs of this "
+            f"function with one scale per tensor instead: {recipe.name} scales "
             f"{' and '.join(sorted(recipe.blocked))} in blocks, and the first other product is a "
             f"{eqn.primitive.name} at {source.user_location(eqn, enclosing)}.\n"
             "  Fix: none needed where one scale per tensor suits them; to keep them in the "
@@ -504,13 +449,13 @@ def _warn_if_unblocked(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any,
     if first_padded is not None:
         eqn, enclosing, phase, k = first_padded
         padded = -(-k // recipe.block) * recipe.block
-        warned |= warn_once(
+        warned |= messages.warn_once(
             (source.location_key(eqn, enclosing), "padding", recipe.name),
             f"jaxmp: autocast with float8_scaling={recipe.name!r} pads contracting dimensions "
             f"that are not a multiple of {recipe.block} with zeros: "
-            f"{_percent(padding / total, 1)} more float8 matrix-product FLOPs for the same "
-            "result (forward products, and the backward products of differentiated operands: "
-            "jaxmp.matmul_flops of this step with float8_scaling='mxfp8' over that with "
+            f"{messages.percent(padding / total, 1)} more float8 matrix-product FLOPs for the "
+            "same result (forward products, and the backward products of differentiated "
+            "operands: jaxmp.matmul_flops of this step with float8_scaling='mxfp8' over that with "
             f"'tensor'). The first is a {eqn.primitive.name} at "
             f"{source.user_location(eqn, enclosing)}: its {phase} product contracts {k} "
             f"elements, padded to {padded}.\n"
@@ -534,7 +479,7 @@ def _warn_if_fallback(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any) 
         runs, target = float8.recipe_for(recipe, [v.aval for v in eqn.invars])
         if runs is recipe:
             return False
-        return warn_once(
+        return messages.warn_once(
             ("fallback", recipe.name, target),
             f"jaxmp: autocast with float8_scaling={recipe.name!r} needs block-scaled GEMMs, "
             f"which NVIDIA GPUs have from compute capability 10.0 (Blackwell); this program is "
@@ -570,7 +515,7 @@ def warn_if_float8_shortfall(closed_jaxpr, rules: Any, float8_rules: Any, comput
     (:func:`is_differentiated` of each; ``None``: all): a backward product is
     counted only for an operand that depends on one, as the program computes
     it. Returns whether it warned; said once per first product
-    (:func:`warn_once`).
+    (:func:`messages.warn_once`).
     """
     if differentiated is None:
         differentiated = [True] * len(closed_jaxpr.jaxpr.invars)
@@ -604,13 +549,13 @@ def warn_if_float8_shortfall(closed_jaxpr, rules: Any, float8_rules: Any, comput
         dtypes=" x ".join(np.dtype(v.aval.dtype).name for v in eqn.invars[:2]),
         compute=np.dtype(compute_dtype).name,
         rule=_CUSTOM_RULES.get(custom.primitive.name, "") if custom is not None else "")
-    return unblocked | warn_once(
+    return unblocked | messages.warn_once(
         (source.location_key(eqn, enclosing), why),
         f"jaxmp: autocast with matmul_dtype={np.dtype(matmul_dtype).name} runs "
-        f"{_percent(in_float8 / total)} of the matrix-product FLOPs of this function in "
-        f"float8 (forward and backward products); {_percent(wider / total)} run wider for "
-        f"reasons other than your jaxmp.Float8Rules. The first is a {eqn.primitive.name} at "
-        f"{source.user_location(eqn, enclosing)}: {says}.\n"
+        f"{messages.percent(in_float8 / total)} of the matrix-product FLOPs of this function "
+        f"in float8 (forward and backward products); {messages.percent(wider / total)} run "
+        f"wider for reasons other than your jaxmp.Float8Rules. The first is a "
+        f"{eqn.primitive.name} at {source.user_location(eqn, enclosing)}: {says}.\n"
         f"  Fix: {_WIDER[why].fix}; or keep such products in the compute dtype on purpose "
         "with jaxmp.Float8Rules (keep_scopes=, keep_if=, min_flops=), which also silences "
         "this warning.",

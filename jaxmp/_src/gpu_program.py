@@ -44,6 +44,7 @@ import re
 from typing import Any, Callable, Mapping, NamedTuple
 
 from jaxmp._src import hlo
+from jaxmp._src import messages
 from jaxmp._src import source
 
 # --- Targets ---------------------------------------------------------------------------------
@@ -877,7 +878,7 @@ def gpu_program(fn: Callable, *args: Any, target: str | GpuTarget = "h100",
         _COMPILED[key] = program
         while len(_COMPILED) > _COMPILED_SIZE:
             _COMPILED.popitem(last=False)
-    warn_if_float8_shortfall(program)  # once per place (census.warn_once)
+    warn_if_float8_shortfall(program)  # once per place (messages.warn_once)
     return program
 
 
@@ -927,11 +928,11 @@ def warn_if_float8_shortfall(program: GpuProgram, tolerance: float = 0.005) -> b
     else:
         why, fix = _SHORTFALL["other"]
     where = first.location or first.op_name or first.name
-    return census.warn_once(
+    return messages.warn_once(
         ("gpu_program", program.target.name, where, first.kind, first.engine),
-        f"jaxmp: on {program.target.description} XLA runs {census._percent(native)} of the "
+        f"jaxmp: on {program.target.description} XLA runs {messages.percent(native)} of the "
         f"matrix-product FLOPs of this program on float8 tensor cores, where jaxmp asks for "
-        f"{census._percent(requested)} (the program before XLA; jaxmp.matmul_flops without "
+        f"{messages.percent(requested)} (the program before XLA; jaxmp.matmul_flops without "
         f"target). The first product that runs wider is a {first.kind} compiled as "
         f"{first.how} on {first.lhs} x {first.rhs} operands at {where}: "
         f"{why}.\n  Fix: {fix}.",

@@ -34,6 +34,7 @@ from jaxmp._src import census
 from jaxmp._src import compat
 from jaxmp._src import interpret
 from jaxmp._src import loss_scale
+from jaxmp._src import messages
 from jaxmp._src import sharding
 from jaxmp._src import update
 from jaxmp._src import wide_gradients
@@ -298,7 +299,7 @@ class Step:
         state = loss_scale.check_scaler_state(scaler_state)
         if (self.use_mixed_precision and state.mode == "dynamic"
                 and self.compute_dtype == jnp.bfloat16):
-            census.warn_once(
+            messages.warn_once(
                 ("dynamic scaler with bfloat16", self.api),
                 f"jaxmp: {self.api} computes in bfloat16 (compute_dtype=jnp.bfloat16, jaxmp's "
                 "default) with a dynamic loss scaler (jaxmp.init_scaler). bfloat16 has "

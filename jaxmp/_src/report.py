@@ -25,6 +25,7 @@ from jaxmp._src import census
 from jaxmp._src import compat
 from jaxmp._src import diagnostics
 from jaxmp._src import float8
+from jaxmp._src import messages
 from jaxmp._src import source
 
 
@@ -193,7 +194,7 @@ class PrecisionReport(NamedTuple):
         total = sum(self.totals.values())
         wide = sum(w.flops for w in self.wider)
         head = (f"precision report: {_count(total)} matrix-product FLOPs, "
-                f"{census._percent(1 - wide / total) if total else '0%'} in {self.requested}")
+                f"{messages.percent(1 - wide / total) if total else '0%'} in {self.requested}")
         out = [head, "", *lines]
         if self.wider:
             out += ["", f"Not in {self.requested}:"]
@@ -251,10 +252,11 @@ def _compiled_lines(program) -> list[str]:
     """What the GPU runs of the step, for :meth:`PrecisionReport.table`."""
     totals = program.matmul_flops()
     total = sum(totals.values())
+    half = diagnostics.low_precision_share(totals) - diagnostics.float8_share(totals)
     lines = [f"On {program.target.description}, as XLA compiles the step (the rows above are "
              f"the program before XLA): {_count(total)} matrix-product FLOPs, float8 on "
-             f"tensor cores {census._percent(program.float8_native_share)}, half precision "
-             f"{census._percent(diagnostics.low_precision_share(totals) - diagnostics.float8_share(totals))}"]
+             f"tensor cores {messages.percent(program.float8_native_share)}, half precision "
+             f"{messages.percent(half)}"]
     wider: dict = {}
     for p in program.products:
         if p.widened or not p.tensor_cores:
