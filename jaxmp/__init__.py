@@ -11,7 +11,6 @@ from jaxmp._src.casting import cast_to_half_precision
 from jaxmp._src.casting import cast_tree
 from jaxmp._src.casting import force_full_precision
 from jaxmp._src.casting import is_float_array
-from jaxmp._src.census import Float8ShortfallWarning
 from jaxmp._src.census import MostlyFloat32Warning
 from jaxmp._src.compat import UnknownEquationWarning
 from jaxmp._src.diagnostics import float8_matmul_flop_share
@@ -46,6 +45,7 @@ from jaxmp._src.policy import get_policy
 from jaxmp._src.policy import Policy
 from jaxmp._src.report import precision_report
 from jaxmp._src.report import PrecisionReport
+from jaxmp._src.shortfall import Float8ShortfallWarning
 from jaxmp._src.update import optimizer_update
 from jaxmp._src.update import select_tree
 

@@ -913,7 +913,7 @@ def _wider_first(program: GpuProgram) -> Product | None:
 def warn_if_float8_shortfall(program: GpuProgram, tolerance: float = 0.005) -> bool:
     """Warns (:class:`jaxmp.Float8ShortfallWarning`) when the GPU runs a smaller share of the
     product FLOPs in float8 than the program before XLA asks for; returns whether it warned."""
-    from jaxmp._src import census  # pylint: disable=import-outside-toplevel
+    from jaxmp._src import shortfall  # pylint: disable=import-outside-toplevel
     requested = program.requested_float8_share
     native = program.float8_native_share
     if not requested or native >= requested - tolerance:
@@ -936,4 +936,4 @@ def warn_if_float8_shortfall(program: GpuProgram, tolerance: float = 0.005) -> b
         f"target). The first product that runs wider is a {first.kind} compiled as "
         f"{first.how} on {first.lhs} x {first.rhs} operands at {where}: "
         f"{why}.\n  Fix: {fix}.",
-        census.Float8ShortfallWarning)
+        shortfall.Float8ShortfallWarning)

@@ -8,7 +8,7 @@ transformation wrappers (``jvp(...)``, ``transpose(...)``, ``vmap(...)``)
 taken off. A product whose name stack holds ``transpose(`` belongs to the
 backward pass. Each product that does not run in the requested precision is
 explained from what the program shows around it (``_why``), in the words of
-the float8 warning's table (``census._WIDER``) where it has them.
+the float8 warning's table (``shortfall._WIDER``) where it has them.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from jaxmp._src import compat
 from jaxmp._src import diagnostics
 from jaxmp._src import float8
 from jaxmp._src import messages
+from jaxmp._src import shortfall
 from jaxmp._src import source
 
 
@@ -34,32 +35,32 @@ from jaxmp._src import source
 _MOVES = compat.MOVES
 
 
-# Why a product is not in the requested precision, by reason, for the reasons census._WIDER
+# Why a product is not in the requested precision, by reason, for the reasons shortfall._WIDER
 # (the float8 warning's table) does not know or says in float8's terms; the others
 # (a float8 operand, a custom derivative rule; with a float8 matmul_dtype, the autocast
 # rules) are said in its words (``_explain``).
 _REASONS = {
-    "kept": census._Why(
+    "kept": shortfall._Why(
         "it runs in {compute}: your jaxmp.Float8Rules keep it there (a named scope in "
         "keep_scopes, min_flops or keep_if), or it is outside the function autocast runs "
         "with matmul_dtype",
         "drop it from the rules to run it in float8"),
-    "operand": census._Why(
+    "operand": shortfall._Why(
         "its operands are {dtypes}: only floating-point products run in a lower precision",
         "convert that operand to a floating-point dtype in your code"),
-    "rules": census._Why(
+    "rules": shortfall._Why(
         "autocast runs it as written, in the dtypes your program gives it ({dtypes}): "
         "{primitive} is not in the autocast rules' low_precision set",
         "put it back in jaxmp.AutocastRules.low_precision"),
-    "user": census._Why(
+    "user": shortfall._Why(
         "its operands are {dtypes}, made by your code{origin}",
         "run the step under autocast (mp_value_and_grad's default), or cast that value "
         "(e.g. the layer's dtype=) to {compute}"),
-    "forced": census._Why(
+    "forced": shortfall._Why(
         "it is inside jaxmp.force_full_precision, which runs it in float32 on purpose",
         "nothing, if it overflows in {compute}; to run it in {compute}, call that code "
         "without jaxmp.force_full_precision"),
-    "outside": census._Why(
+    "outside": shortfall._Why(
         "it is outside the functions jaxmp runs under autocast (the loss given to "
         "mp_value_and_grad, a function given to jaxmp.autocast), so it runs as your code "
         "wrote it, on {dtypes} operands{origin}",
@@ -408,7 +409,7 @@ def _why(program: _Program, eqn, enclosing: tuple, name_stack: str, key: str,
             and key == compute.name and "transpose(" in name_stack):
         return "conv_backward"
     # A custom_vjp's backward rule is traced inside its own transpose: transpose(...(transpose(.
-    if (any(e.primitive.name in census._CUSTOM_RULES for e in enclosing)
+    if (any(e.primitive.name in compat.CUSTOM_RULES for e in enclosing)
             or compat.transpose_depth(name_stack) > 1):
         return "custom_rule"
     if casting.in_full_precision_scope(name_stack):
@@ -430,10 +431,10 @@ def _explain(why: str, eqn, enclosing: tuple, program: _Program, compute: np.dty
              matmul: np.dtype | None) -> tuple[str, str]:
     """What to say of a product not in the requested precision, and the fix."""
     dtypes = " x ".join(np.dtype(v.aval.dtype).name for v in eqn.invars[:2])
-    custom = [e.primitive.name for e in enclosing if e.primitive.name in census._CUSTOM_RULES]
+    custom = [e.primitive.name for e in enclosing if e.primitive.name in compat.CUSTOM_RULES]
     fields = dict(primitive=eqn.primitive.name, dtypes=dtypes,
                   compute=compute.name if compute is not None else "half precision",
-                  rule=census._CUSTOM_RULES[custom[-1]] if custom else "jax.custom_vjp",
+                  rule=compat.CUSTOM_RULES[custom[-1]] if custom else "jax.custom_vjp",
                   origin="")
     if why in ("user", "outside"):
         kind, where = program.origin_of(eqn)
@@ -442,7 +443,7 @@ def _explain(why: str, eqn, enclosing: tuple, program: _Program, compute: np.dty
         wide = max((np.dtype(v.aval.dtype) for v in eqn.invars[:2]), key=lambda d: d.itemsize)
         fields["origin"] = _ORIGINS[kind].format(wide=wide.name, where=where)
     if why not in _REASONS or (matmul is not None and why == "rules"):
-        row = census._WIDER[why]
+        row = shortfall._WIDER[why]
     else:
         row = _REASONS[why]
     return row.says.format(**fields), row.fix.format(**fields)
