@@ -858,10 +858,10 @@ def gpu_program(fn: Callable, *args: Any, target: str | GpuTarget = "h100",
     with host.no_host_callbacks():  # host callbacks cannot be compiled for another platform
         if hasattr(fn, "trace") and hasattr(fn, "lower"):  # already jitted: keep its options
             dynamic = jax.tree_util.tree_map(
-                lambda x: placed(x) if diagnostics._is_dynamic(x) else x, (args, kwargs))
+                lambda x: placed(x) if diagnostics.is_dynamic(x) else x, (args, kwargs))
             lowered = fn.trace(*dynamic[0], **dynamic[1]).lower()
         else:
-            call, dynamic = diagnostics._array_function(fn, args, kwargs)
+            call, dynamic = diagnostics.array_function(fn, args, kwargs)
             lowered = jax.jit(call).trace(jax.tree_util.tree_map(placed, dynamic)).lower()
     stablehlo = lowered.as_text()
     key = (hashlib.sha256(stablehlo.encode()).hexdigest(), spec.config)
@@ -874,7 +874,7 @@ def gpu_program(fn: Callable, *args: Any, target: str | GpuTarget = "h100",
         program = GpuProgram.from_hlo(compiled.as_text(), spec,
                                       temp_bytes=getattr(memory, "temp_size_in_bytes", None))
         program = dataclasses.replace(program,
-                                      requested_flops=diagnostics._module_flops(stablehlo))
+                                      requested_flops=diagnostics.module_flops(stablehlo))
         _COMPILED[key] = program
         while len(_COMPILED) > _COMPILED_SIZE:
             _COMPILED.popitem(last=False)

@@ -77,37 +77,44 @@ class Float8ShortfallWarning(UserWarning):
     """
 
 
-class _Why(NamedTuple):
-    """One reason a product runs wider than float8: what to say, and the fix."""
+class Why(NamedTuple):
+    """One reason a product runs wider than asked: what to say, and the fix.
+
+    Both are ``str.format`` templates (fields ``primitive``, ``dtypes``,
+    ``compute``, ``rule``; :func:`jaxmp.precision_report` adds ``origin``).
+    The rows of :data:`WIDER` are the float8 warning's; the precision report
+    writes its own reasons in the same form.
+    """
 
     says: str
     fix: str
 
 
-# Why a product (or its backward products) runs wider than float8, by reason.
-_WIDER = {
-    "rules": _Why(
+#: Why a product (or its backward products) runs wider than float8, by reason: the float8
+#: warning's words, which :func:`jaxmp.precision_report` also uses for these reasons.
+WIDER = {
+    "rules": Why(
         "{primitive} is not in the autocast rules' low_precision set, so autocast does not "
         "run it in float8 (its operands are {dtypes})",
         "put it back in jaxmp.AutocastRules.low_precision"),
-    "operand": _Why(
+    "operand": Why(
         "its operands are {dtypes}: a float8 product needs two floating-point operands, so "
         "it runs in {compute}",
         "convert that operand to a floating-point dtype in your code"),
-    "float8_operand": _Why(
+    "float8_operand": Why(
         "your code gives it one float8 operand ({dtypes}); autocast runs a product with a "
         "float8 operand as written",
         "give it both operands in float8, or neither"),
-    "custom_rule": _Why(
+    "custom_rule": Why(
         "it is inside a function with its own derivative rule ({rule}), which autocast runs "
         "as written: its backward products run on {dtypes} operands",
         "write that function without a custom derivative rule"),
-    "transposed_conv": _Why(
+    "transposed_conv": Why(
         "it dilates its input (lhs_dilation: a transposed convolution), which XLA's GPU "
         "compiler runs as a cuDNN backward-data call, and those take no float8 operands "
         "(XLA would widen them to float32), so autocast runs it in {compute}",
         "none in your code: cuDNN runs it in the compute dtype"),
-    "conv_backward": _Why(
+    "conv_backward": Why(
         "XLA's GPU compiler gives cuDNN float8 graphs to forward convolutions only and widens "
         "the float8 operands of backward-filter and backward-data calls to float32, so "
         "autocast runs a convolution's kernel gradient (and a strided convolution's input "
@@ -122,7 +129,7 @@ class _Placed(NamedTuple):
 
     forward: bool  # the product itself in float8
     backward: bool  # its backward products in float8
-    why: str | None  # a key of ``_WIDER``; None: float8, or kept by the user's Float8Rules
+    why: str | None  # a key of ``WIDER``; None: float8, or kept by the user's Float8Rules
 
 
 def _place(eqn, enclosing: tuple, rules: Any, float8_rules: Any) -> _Placed:
@@ -339,7 +346,7 @@ def warn_if_float8_shortfall(closed_jaxpr, rules: Any, float8_rules: Any, comput
         return unblocked
     eqn, enclosing, why = first
     custom = next((e for e in reversed(enclosing) if e.primitive.name in compat.CUSTOM_RULES), None)
-    says = _WIDER[why].says.format(
+    says = WIDER[why].says.format(
         primitive=eqn.primitive.name,
         dtypes=" x ".join(np.dtype(v.aval.dtype).name for v in eqn.invars[:2]),
         compute=np.dtype(compute_dtype).name,
@@ -351,7 +358,7 @@ def warn_if_float8_shortfall(closed_jaxpr, rules: Any, float8_rules: Any, comput
         f"in float8 (forward and backward products); {messages.percent(wider / total)} run "
         f"wider for reasons other than your jaxmp.Float8Rules. The first is a "
         f"{eqn.primitive.name} at {source.user_location(eqn, enclosing)}: {says}.\n"
-        f"  Fix: {_WIDER[why].fix}; or keep such products in the compute dtype on purpose "
+        f"  Fix: {WIDER[why].fix}; or keep such products in the compute dtype on purpose "
         "with jaxmp.Float8Rules (keep_scopes=, keep_if=, min_flops=), which also silences "
         "this warning.",
         Float8ShortfallWarning,
