@@ -17,7 +17,7 @@ Examples:
     'LowPrecisionState'
 """
 
-from jaxmp._src.census import Float8ShortfallWarning
+from jaxmp._src.shortfall import Float8ShortfallWarning
 from jaxmp._src.float8 import Float8Rules
 from jaxmp._src.low_precision import low_precision_optimizer
 from jaxmp._src.low_precision import LowPrecisionState

@@ -239,7 +239,7 @@ def test_float8_shortfall_names_a_product_the_autocast_rules_leave_out():
 
 
 def test_shares_read_100_or_0_percent_only_when_exact():
-    from jaxmp._src import census
+    from jaxmp._src import messages
 
-    assert [census._percent(s) for s in (0.0, 0.001, 0.5, 0.999, 1.0)] == [
+    assert [messages.percent(s) for s in (0.0, 0.001, 0.5, 0.999, 1.0)] == [
         "0%", "<1%", "50%", ">99%", "100%"]

@@ -59,6 +59,7 @@ from jaxmp._src import census
 from jaxmp._src import compat
 from jaxmp._src import float8
 from jaxmp._src import interpret
+from jaxmp._src import shortfall
 
 # The primitive-name tables live in compat.py, with every other contact with JAX.
 LOW_PRECISION = compat.LOW_PRECISION  # run in the compute dtype
@@ -1260,9 +1261,9 @@ def autocast(
 
     def run_autocast(closed, dyn):
         if matmul_dtype is not None:  # says, once, which products cannot run in float8
-            census.warn_if_float8_shortfall(closed, rules, float8_rules, compute_dtype,
-                                            matmul_dtype, float8_recipe,
-                                            [census.is_differentiated(x) for x in dyn])
+            shortfall.warn_if_float8_shortfall(closed, rules, float8_rules, compute_dtype,
+                                               matmul_dtype, float8_recipe,
+                                               [census.is_differentiated(x) for x in dyn])
         out_avals = closed.out_avals
         keep = _narrow_safe(closed, rules)
         # Under float8 the products quantize their operands from float32: a collective

@@ -1,4 +1,4 @@
-"""The trace-time checks that a mixed-precision step computes in the precision it asks for.
+"""The matrix products of a traced step, and the check that most run in half precision.
 
 Framework code often pins its own precision (a Flax layer with
 ``dtype=jnp.float32``, an embedding whose output keeps the parameters' dtype, a
@@ -6,33 +6,32 @@ batch captured by a closure, float32 noise drawn inside the loss): casting the
 inputs then leaves the matrix products in float32, and the loss looks right
 because it *is* float32's. :func:`warn_if_mostly_float32` counts the FLOPs of
 the matrix products and convolutions of the traced loss by operand dtype and
-warns when less than half are in half precision. With a float8
-``matmul_dtype``, :func:`warn_if_float8_shortfall` says which products
-autocast cannot run in float8, and why.
+warns when less than half are in half precision.
+
+The census itself (:func:`census`, :func:`walk`) and which operands of each
+product are being differentiated (:func:`differentiated_products`) are also
+what the float8 warning counts with (:mod:`jaxmp._src.shortfall`, which says
+which products autocast cannot run in float8, and why).
 
 Each warning is said once per place in the user's code (the first product it
 names, :func:`source.location_key`), not once per trace: a loss re-created
 inside a jitted step, traced again at new shapes, or traced by the FLOP tools
-says it once (:func:`warn_once`).
+says it once (:func:`messages.warn_once`).
 """
 
 from __future__ import annotations
 
 import math
-import sys
-import warnings
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterator
 
 import numpy as np
 
 from jaxmp._src import casting
 from jaxmp._src import compat
-from jaxmp._src import float8
+from jaxmp._src import messages
 from jaxmp._src import source
 
 _PRODUCTS = compat.PRODUCTS
-# Functions with their own derivative rule, which autocast runs as written.
-_CUSTOM_RULES = compat.CUSTOM_RULES
 
 
 class MostlyFloat32Warning(UserWarning):
@@ -196,56 +195,12 @@ def census(jaxpr) -> Iterator[tuple[Any, int, tuple]]:
             yield eqn, repeat * _flops(eqn), enclosing
 
 
-# The warnings said, by key, to the listener they were said to (see ``warn_once``).
-_said: dict = {"listener": None, "keys": set()}
-
-
-def _listener() -> tuple:
-    """What shows a warning now: a ``catch_warnings(record=True)`` block installs a new one."""
-    return getattr(warnings, "_showwarnmsg_impl", None), warnings.showwarning
-
-
-def warn_once(key: Any, message: str, category: type) -> bool:
-    """Warns ``message`` unless a warning with ``key`` was said already; returns whether it warned.
-
-    ``key`` names the place in the user's code (:func:`source.location_key`),
-    so that tracing the same code again says nothing, whatever the filters
-    (``"always"`` included). The record lasts as long as warnings are shown
-    the same way: a ``warnings.catch_warnings(record=True)`` block (as
-    ``pytest.warns`` and pytest's capture of each test's warnings use)
-    starts a new one, so a test can count what a function says; a block that
-    only changes filters (as ``equinox.filter_jit`` wraps its calls in) does
-    not. A warning turned into an error by a filter is not recorded (it is
-    raised again next time).
-    """
-    listener = _listener()
-    if (_said["listener"] is None
-            or any(a is not b for a, b in zip(_said["listener"], listener))):
-        _said["listener"], _said["keys"] = listener, set()
-    key = (category.__name__, key)
-    if key in _said["keys"]:
-        return False
-    warnings.warn(message, category, stacklevel=_user_stacklevel())
-    _said["keys"].add(key)
-    return True
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` (for a ``warnings.warn`` in :func:`warn_once`) of the innermost frame
-    in the user's code: the call of the traced function, past jaxmp's, JAX's and a framework's
-    own frames (``equinox.filter_jit``)."""
-    frame, level = sys._getframe(2), 2  # pylint: disable=protected-access  (warn_once's caller)
-    while frame is not None and source.in_library(frame.f_code.co_filename):
-        frame, level = frame.f_back, level + 1
-    return level if frame is not None else 2
-
-
 def warn_if_mostly_float32(closed_jaxpr, compute_dtype: Any, api: str) -> bool:
     """Warns when under half of the product FLOPs of ``closed_jaxpr`` have half-precision operands.
 
     Returns whether it warned. Names the first product with a float32 operand
     by the user's file and line, with its operand dtypes, and the fix. Said
-    once per such product (:func:`warn_once`).
+    once per such product (:func:`messages.warn_once`).
     """
     if not casting.is_half_dtype(compute_dtype):
         return False
@@ -262,7 +217,7 @@ def warn_if_mostly_float32(closed_jaxpr, compute_dtype: Any, api: str) -> bool:
         return False
     eqn, enclosing, dtypes = first
     where = source.user_location(eqn, enclosing)
-    return warn_once(
+    return messages.warn_once(
         source.location_key(eqn, enclosing),
         f"jaxmp: this {api} step was traced with compute_dtype={np.dtype(compute_dtype).name} "
         f"but runs only {half / total:.0%} of its matrix-product FLOPs in half precision: "
@@ -275,344 +230,4 @@ def warn_if_mostly_float32(closed_jaxpr, compute_dtype: Any, api: str) -> bool:
         "inside the loss; or cast those values yourself (e.g. the layer's dtype= to the "
         "compute dtype).",
         MostlyFloat32Warning,
-    )
-
-
-# --- float8 ----------------------------------------------------------------------------------
-
-
-class Float8ShortfallWarning(UserWarning):
-    """Says that some matrix products of a step with a float8 ``matmul_dtype`` run wider.
-
-    Issued while :func:`jaxmp.autocast` (so also :func:`jaxmp.mp_value_and_grad`
-    and friends) traces a function with ``matmul_dtype=jnp.float8_e4m3fn`` (or
-    ``float8_e5m2``), when a matrix product or convolution, or its backward
-    products, cannot run in float8 for a reason other than the user's own
-    :class:`jaxmp.experimental.Float8Rules`: an operand that is not floating point, a product
-    inside a function with its own derivative rule (``jax.custom_vjp``,
-    ``jax.custom_jvp``: autocast runs the rule as written), a product the
-    autocast rules leave out of ``low_precision``. The message gives the share
-    of the FLOPs that run in float8 (forward and backward products, as autocast
-    places them), the first such product by the user's file and line, and why.
-    A product that ``Float8Rules`` keeps in the compute dtype is never
-    reported. With ``float8_scaling="mxfp8"`` it also says how many FLOPs the
-    zero padding of contracting dimensions that are not a multiple of 32 adds
-    (forward and backward products), and which products (convolutions) run
-    with one scale per tensor instead, or, when the GPU the step is traced for
-    has no block-scaled GEMMs (Hopper and older), that the per-tensor recipe
-    runs there instead, naming the GPU and its generation. A convolution's
-    kernel gradient (and a strided convolution's input gradient) runs in the
-    compute dtype, since XLA's GPU compiler runs only forward convolutions in
-    float8: that is said too. Said once per such product: tracing again does
-    not repeat it.
-
-    Examples:
-        >>> import warnings
-        >>> import jax, jax.numpy as jnp
-        >>> import jaxmp
-        >>> @jax.custom_vjp  # a product with its own backward rule, run as written
-        ... def project(x, w):
-        ...     return x @ w
-        >>> project.defvjp(lambda x, w: (x @ w, (x, w)),
-        ...                lambda res, g: (g @ res[1].T, res[0].T @ g))
-        >>> def loss_fn(w, x):
-        ...     return jnp.mean(project(x, w) ** 2)
-        >>> f8 = jaxmp.autocast(loss_fn, jnp.bfloat16, matmul_dtype=jnp.float8_e4m3fn)
-        >>> with warnings.catch_warnings(record=True) as caught:
-        ...     warnings.simplefilter("always")
-        ...     _ = jax.grad(f8)(jnp.ones((16, 16)), jnp.ones((8, 16)))
-        >>> caught[0].category is jaxmp.experimental.Float8ShortfallWarning
-        True
-        >>> "custom_vjp" in str(caught[0].message)
-        True
-    """
-
-
-class _Why(NamedTuple):
-    """One reason a product runs wider than float8: what to say, and the fix."""
-
-    says: str
-    fix: str
-
-
-# Why a product (or its backward products) runs wider than float8, by reason.
-_WIDER = {
-    "rules": _Why(
-        "{primitive} is not in the autocast rules' low_precision set, so autocast does not "
-        "run it in float8 (its operands are {dtypes})",
-        "put it back in jaxmp.AutocastRules.low_precision"),
-    "operand": _Why(
-        "its operands are {dtypes}: a float8 product needs two floating-point operands, so "
-        "it runs in {compute}",
-        "convert that operand to a floating-point dtype in your code"),
-    "float8_operand": _Why(
-        "your code gives it one float8 operand ({dtypes}); autocast runs a product with a "
-        "float8 operand as written",
-        "give it both operands in float8, or neither"),
-    "custom_rule": _Why(
-        "it is inside a function with its own derivative rule ({rule}), which autocast runs "
-        "as written: its backward products run on {dtypes} operands",
-        "write that function without a custom derivative rule"),
-    "transposed_conv": _Why(
-        "it dilates its input (lhs_dilation: a transposed convolution), which XLA's GPU "
-        "compiler runs as a cuDNN backward-data call, and those take no float8 operands "
-        "(XLA would widen them to float32), so autocast runs it in {compute}",
-        "none in your code: cuDNN runs it in the compute dtype"),
-    "conv_backward": _Why(
-        "XLA's GPU compiler gives cuDNN float8 graphs to forward convolutions only and widens "
-        "the float8 operands of backward-filter and backward-data calls to float32, so "
-        "autocast runs a convolution's kernel gradient (and a strided convolution's input "
-        "gradient) in {compute}, cuDNN's own kernels for them, and the rest in float8",
-        "none in your code: cuDNN runs those backward products fastest in the compute "
-        "dtype"),
-}
-
-
-class _Placed(NamedTuple):
-    """Where autocast runs one product: float8 forward / backward, or why not."""
-
-    forward: bool  # the product itself in float8
-    backward: bool  # its backward products in float8
-    why: str | None  # a key of ``_WIDER``; None: float8, or kept by the user's Float8Rules
-
-
-def _place(eqn, enclosing: tuple, rules: Any, float8_rules: Any) -> _Placed:
-    """Where autocast runs the product ``eqn`` under a float8 ``matmul_dtype``.
-
-    Autocast's own decision (:func:`float8.placement`), plus what the census
-    sees and autocast does not decide: a product inside a function with its
-    own derivative rule runs its backward as that rule is written.
-    """
-    scopes = [compat.name_stack(e) for e in (*enclosing, eqn)]
-    why = float8.placement(eqn, "/".join(s for s in scopes if s), rules.low_precision,
-                           float8_rules)
-    if why == "float8_operand":  # written in float8 by the user: fine if both operands are
-        floats = [v.aval.dtype for v in eqn.invars[:2] if casting.is_float_dtype(v.aval.dtype)]
-        both = len(floats) == 2 and all(float8.is_float8_dtype(d) for d in floats)
-        return _Placed(both, both, None if both else why)
-    if why == "kept":
-        return _Placed(False, False, None)  # the user's Float8Rules keep it
-    if why is not None:
-        return _Placed(False, False, why)
-    if any(e.primitive.name in _CUSTOM_RULES for e in enclosing):
-        return _Placed(True, False, "custom_rule")
-    if eqn.primitive.name == "conv_general_dilated" and not all(_float8_gradients(eqn, True)):
-        return _Placed(True, True, "conv_backward")
-    return _Placed(True, True, None)
-
-
-def _float8_gradients(eqn, backward: bool) -> tuple[bool, bool]:
-    """Whether the gradients with respect to ``eqn``'s left and right operands run in float8,
-    for a product whose backward products autocast places in float8 (``backward``): both for
-    a ``dot_general``; for a convolution, what XLA runs in float8
-    (:func:`float8.conv_float8_products`: the input gradient with unit strides, never the
-    kernel gradient)."""
-    if not backward:
-        return False, False
-    if eqn.primitive.name == "conv_general_dilated":
-        return float8.conv_float8_products(compat.conv_params(eqn))[1:]
-    return True, True
-
-
-def _percent(share: float, digits: int = 0) -> str:
-    """``share`` as a percentage that reads 100% or 0% only when it is exactly that."""
-    text = f"{share:.{digits}%}"
-    if float(text[:-1]) == 100 and share < 1:
-        return f">{100 - 10 ** -digits:g}%"
-    if float(text[:-1]) == 0 and share > 0:
-        return f"<{10 ** -digits:g}%"
-    return text
-
-
-def _contracted(eqn) -> list[tuple[str, int]]:
-    """``(product, elements contracted)`` of a ``dot_general`` and of its two backward products.
-
-    The forward product contracts the contracting dimensions; the input
-    gradient (``ct . rhs``) the rhs's free dimensions; the weight gradient
-    (``lhs . ct``) the lhs's free dimensions (a layer's batch and tokens).
-    """
-    lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
-    (lc, rc), (lb, rb) = compat.dimension_numbers(eqn)
-    free = lambda shape, c, b: math.prod(n for d, n in enumerate(shape) if d not in c and d not in b)
-    return [("forward", math.prod(lhs[d] for d in lc)),
-            ("input-gradient", free(rhs, rc, rb)),
-            ("weight-gradient", free(lhs, lc, lb))]
-
-
-def _differentiated_operands(eqn, diff: dict) -> tuple[bool, bool]:
-    """Whether the program computes the gradient of each operand of the product ``eqn``: the
-    operand is floating point and differentiated (``diff``, :func:`differentiated_products`)."""
-    marked = diff.get(id(eqn), (True, True))
-    return tuple(d and casting.is_float_dtype(v.aval.dtype)
-                 for v, d in zip(eqn.invars[:2], marked))
-
-
-def _phases(eqn, diff: dict, placed: _Placed) -> list[str]:
-    """The products of ``eqn`` the program computes, by :func:`_contracted`'s names: the
-    forward one, and the gradient of each differentiated operand (when float8)."""
-    lhs, rhs = _differentiated_operands(eqn, diff)
-    float8_lhs, float8_rhs = _float8_gradients(eqn, placed.backward)
-    return ["forward"] + [name for name, d in (("input-gradient", lhs and float8_lhs),
-                                               ("weight-gradient", rhs and float8_rhs)) if d]
-
-
-def _warn_if_unblocked(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any,
-                       diff: dict) -> bool:
-    """Warns when products of a block-scaled ``recipe`` are padded or run with one scale per tensor.
-
-    A contracting dimension that is not a multiple of ``recipe.block`` is
-    padded with zeros (FLOPs spent on zeros); a primitive the recipe does not
-    block-scale (a convolution under ``"mxfp8"``) runs with one scale per
-    tensor. Says the extra FLOPs or the share, and the first such product.
-    The products counted are those the program computes (``diff``, from
-    :func:`differentiated_products`): the share is the one
-    :func:`jaxmp.debug.matmul_flops` gives, with and without ``"mxfp8"``.
-    """
-    total = padding = per_tensor = 0
-    first_padded = first_tensor = None
-    for eqn, flops, enclosing in census(closed_jaxpr.jaxpr):
-        placed = _place(eqn, enclosing, rules, float8_rules)
-        if not placed.forward or any(
-                float8.is_float8_dtype(v.aval.dtype) for v in eqn.invars[:2]):
-            continue  # not a product autocast scales (a float8 product written as such)
-        phases = _phases(eqn, diff, placed)
-        total += flops * len(phases)
-        if eqn.primitive.name not in recipe.blocked:
-            per_tensor += flops * len(phases)
-            first_tensor = first_tensor or (eqn, enclosing)
-            continue
-        for phase, k in _contracted(eqn):
-            if phase not in phases:
-                continue
-            if k % recipe.block:
-                padding += flops * (-(-k // recipe.block) * recipe.block - k) // k
-                first_padded = first_padded or (eqn, enclosing, phase, k)
-    warned = False
-    if first_tensor is not None:
-        eqn, enclosing = first_tensor
-        warned |= warn_once(
-            (source.location_key(eqn, enclosing), "per_tensor", recipe.name),
-            f"jaxmp: autocast with float8_scaling={recipe.name!r} runs "
-            f"{_percent(per_tensor / total)} of the float8 matrix-product FLOPs of this function "
-            f"with one scale per tensor instead: {recipe.name} scales "
-            f"{' and '.join(sorted(recipe.blocked))} in blocks, and the first other product is a "
-            f"{eqn.primitive.name} at {source.user_location(eqn, enclosing)}.\n"
-            "  Fix: none needed where one scale per tensor suits them; to keep them in the "
-            "compute dtype instead (which silences this), "
-            "jaxmp.experimental.Float8Rules(primitives={'dot_general'}).",
-            Float8ShortfallWarning)
-    if first_padded is not None:
-        eqn, enclosing, phase, k = first_padded
-        padded = -(-k // recipe.block) * recipe.block
-        warned |= warn_once(
-            (source.location_key(eqn, enclosing), "padding", recipe.name),
-            f"jaxmp: autocast with float8_scaling={recipe.name!r} pads contracting dimensions "
-            f"that are not a multiple of {recipe.block} with zeros: "
-            f"{_percent(padding / total, 1)} more float8 matrix-product FLOPs for the same "
-            "result (forward products, and the backward products of differentiated operands: "
-            "jaxmp.debug.matmul_flops of this step with float8_scaling='mxfp8' over that with "
-            f"'tensor'). The first is a {eqn.primitive.name} at "
-            f"{source.user_location(eqn, enclosing)}: its {phase} product contracts {k} "
-            f"elements, padded to {padded}.\n"
-            f"  Fix: make that dimension a multiple of {recipe.block} (a head size, a width, "
-            "batch x sequence length for the weight gradient); or keep the product in the "
-            "compute dtype with jaxmp.experimental.Float8Rules (keep_scopes=, keep_if=, "
-            "min_flops=), or use float8_scaling='tensor'.",
-            Float8ShortfallWarning)
-    return warned
-
-
-def _warn_if_fallback(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any) -> bool:
-    """Warns when a block-scaled ``recipe`` runs its fallback: the target (from the first
-    product autocast scales, :func:`float8.recipe_for`) has no block-scaled GEMMs."""
-    if recipe.fallback is None:
-        return False
-    for eqn, _, enclosing in census(closed_jaxpr.jaxpr):
-        if eqn.primitive.name not in recipe.blocked or not _place(
-                eqn, enclosing, rules, float8_rules).forward:
-            continue
-        runs, target = float8.recipe_for(recipe, [v.aval for v in eqn.invars])
-        if runs is recipe:
-            return False
-        return warn_once(
-            ("fallback", recipe.name, target),
-            f"jaxmp: autocast with float8_scaling={recipe.name!r} needs block-scaled GEMMs, "
-            f"which NVIDIA GPUs have from compute capability 10.0 (Blackwell); this program is "
-            f"traced for {float8.describe(target)}, where XLA would expand cuDNN's "
-            "block-scaled dot into float32 products without tensor cores. So autocast runs "
-            f"the {runs.name!r} recipe there instead ({runs.summary}): float8 GEMMs this "
-            f"hardware has. The first product is a {eqn.primitive.name} at "
-            f"{source.user_location(eqn, enclosing)}.\n"
-            f"  Fix: none needed on this device; float8_scaling={runs.name!r} runs the same "
-            "program without this warning.",
-            Float8ShortfallWarning)
-    return False
-
-
-def warn_if_float8_shortfall(closed_jaxpr, rules: Any, float8_rules: Any, compute_dtype: Any,
-                             matmul_dtype: Any, recipe: Any = None,
-                             differentiated: list | None = None) -> bool:
-    """Warns when products of ``closed_jaxpr`` run wider than float8 for a reason of autocast's.
-
-    ``closed_jaxpr`` is the function autocast traced, with ``rules`` (a
-    :class:`jaxmp.AutocastRules`), ``float8_rules`` and the dtypes autocast
-    runs it with. Each product is placed as autocast places it; its backward
-    products (one per floating-point operand, as many FLOPs each) run in
-    float8 when the product does, except inside a function with its own
-    derivative rule, which autocast runs as written. Products that
-    ``float8_rules`` keeps are counted in the share but never reported.
-    With a block-scaled ``recipe`` (a row of ``float8.RECIPES``, ``"mxfp8"``),
-    also warns when products are padded to whole blocks or run with one
-    scale per tensor (:func:`_warn_if_unblocked`), or when the target has no
-    block-scaled GEMMs and the recipe's fallback runs instead
-    (:func:`_warn_if_fallback`). ``differentiated`` says
-    which inputs of ``closed_jaxpr`` are being differentiated
-    (:func:`is_differentiated` of each; ``None``: all): a backward product is
-    counted only for an operand that depends on one, as the program computes
-    it. Returns whether it warned; said once per first product
-    (:func:`warn_once`).
-    """
-    if differentiated is None:
-        differentiated = [True] * len(closed_jaxpr.jaxpr.invars)
-    diff = differentiated_products(closed_jaxpr.jaxpr, differentiated)
-    fallback = recipe is not None and _warn_if_fallback(closed_jaxpr, rules, float8_rules,
-                                                        recipe)
-    unblocked = fallback or (recipe is not None and recipe.block > 0 and _warn_if_unblocked(
-        closed_jaxpr, rules, float8_rules, recipe, diff))
-    total = in_float8 = wider = 0
-    first = None
-    for eqn, flops, enclosing in census(closed_jaxpr.jaxpr):
-        placed = _place(eqn, enclosing, rules, float8_rules)
-        grads = _differentiated_operands(eqn, diff)
-        backward = flops * sum(grads)
-        backward8 = flops * sum(g and f for g, f in zip(grads, _float8_gradients(
-            eqn, placed.backward)))
-        total += flops + backward
-        in_float8 += flops * placed.forward + backward8
-        if placed.why is not None:
-            here = flops * (not placed.forward) + backward - backward8
-            wider += here
-            # a convolution says why its kernel gradient runs wider only when it computes one
-            if first is None and (here or placed.why != "conv_backward"):
-                first = (eqn, enclosing, placed.why)
-    if first is None:
-        return unblocked
-    eqn, enclosing, why = first
-    custom = next((e for e in reversed(enclosing) if e.primitive.name in _CUSTOM_RULES), None)
-    says = _WIDER[why].says.format(
-        primitive=eqn.primitive.name,
-        dtypes=" x ".join(np.dtype(v.aval.dtype).name for v in eqn.invars[:2]),
-        compute=np.dtype(compute_dtype).name,
-        rule=_CUSTOM_RULES.get(custom.primitive.name, "") if custom is not None else "")
-    return unblocked | warn_once(
-        (source.location_key(eqn, enclosing), why),
-        f"jaxmp: autocast with matmul_dtype={np.dtype(matmul_dtype).name} runs "
-        f"{_percent(in_float8 / total)} of the matrix-product FLOPs of this function in "
-        f"float8 (forward and backward products); {_percent(wider / total)} run wider for "
-        f"reasons other than your jaxmp.experimental.Float8Rules. The first is a "
-        f"{eqn.primitive.name} at {source.user_location(eqn, enclosing)}: {says}.\n"
-        f"  Fix: {_WIDER[why].fix}; or keep such products in the compute dtype on purpose "
-        "with jaxmp.experimental.Float8Rules (keep_scopes=, keep_if=, min_flops=), which also "
-        "silences this warning.",
-        Float8ShortfallWarning,
     )

@@ -24,7 +24,9 @@ from jaxmp._src import host
 
 PyTree = Any
 
-_HALF_NAMES = ("float16", "bfloat16")
+#: The :func:`matmul_flops` keys of half-precision products (both operands float16, or both
+#: bfloat16).
+HALF_NAMES = ("float16", "bfloat16")
 _MLIR_DTYPES = {
     "f16": "float16",
     "bf16": "bfloat16",
@@ -35,7 +37,9 @@ _MLIR_DTYPES = {
 }
 
 
-def _is_dynamic(x: Any) -> bool:
+def is_dynamic(x: Any) -> bool:
+    """Whether the argument leaf ``x`` is traced (an array or a ``jax.ShapeDtypeStruct``) by the
+    measures here and :func:`jaxmp.debug.gpu_program`; any other leaf is closed over."""
     return casting.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
@@ -86,7 +90,7 @@ def saved_activation_bytes(
     casting.check_function(fn, "jaxmp.debug.saved_activation_bytes",
                            "saved_activation_bytes(fn, *args, argnums=0, has_aux=False)")
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    dynamic, static = casting.partition((args, kwargs), _is_dynamic)
+    dynamic, static = casting.partition((args, kwargs), is_dynamic)
 
     def residuals(dynamic):
         call_args, call_kwargs = casting.combine(dynamic, static)
@@ -225,8 +229,8 @@ def _loop_trips(lines: list[str]) -> dict[int, int]:
     return trips
 
 
-def _module_flops(text: str) -> dict[str, int]:
-    """:func:`matmul_flops`'s totals from a lowered module's text.
+def module_flops(text: str) -> dict[str, int]:
+    """:func:`matmul_flops`'s totals from a lowered module's text (StableHLO).
 
     Each function's products count once per call of it (JAX lowers a nested
     ``jit`` called twice as one function), and a loop's once per iteration
@@ -311,7 +315,7 @@ def _is_float8_name(name: str) -> bool:
     return name.startswith("float8_") or name.startswith("f8")
 
 
-def _is_float8_key(key: str) -> bool:
+def is_float8_key(key: str) -> bool:
     """Whether a :func:`matmul_flops` key names a float8 product (one or two float8 formats)."""
     return all(_is_float8_name(part) for part in key.split("+"))
 
@@ -328,10 +332,20 @@ def _unplaced(tree: PyTree) -> PyTree:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if casting.is_array(x) else x, tree)
 
 
-def _array_function(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, PyTree]:
-    """``(call, dynamic)``: ``fn`` as a function of the array leaves of ``(args, kwargs)``
-    (``dynamic``; the other leaves are closed over) that returns its result's array leaves."""
-    dynamic, static = casting.partition((args, kwargs), _is_dynamic)
+def array_function(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, PyTree]:
+    """``fn`` as a function of the array leaves of its arguments, to trace or lower.
+
+    Args:
+        fn: any function; it may return any pytree.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+
+    Returns:
+        ``(call, dynamic)``: ``dynamic`` holds the leaves of ``(args, kwargs)``
+        that :func:`is_dynamic` accepts, and ``call(dynamic)`` runs ``fn`` with
+        the other leaves closed over and returns the array leaves of its result.
+    """
+    dynamic, static = casting.partition((args, kwargs), is_dynamic)
 
     def call(dynamic):
         call_args, call_kwargs = casting.combine(dynamic, static)
@@ -399,10 +413,10 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", target: Any =
     if target is not None:
         from jaxmp._src import gpu_program  # pylint: disable=import-outside-toplevel
         return gpu_program.gpu_program(fn, *args, target=target, **kwargs).matmul_flops()
-    call, dynamic = _array_function(fn, args, kwargs)
+    call, dynamic = array_function(fn, args, kwargs)
     with host.no_host_callbacks():  # host callbacks cannot be lowered for another platform
         lowered = jax.jit(call).trace(_unplaced(dynamic)).lower(lowering_platforms=(platform,))
-    return _module_flops(lowered.as_text())
+    return module_flops(lowered.as_text())
 
 
 def half_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", target: Any = None,
@@ -457,11 +471,11 @@ def float8_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", t
 def low_precision_share(totals: dict[str, int]) -> float:
     """The share of half-precision and float8 products in :func:`matmul_flops` counts."""
     total = sum(totals.values())
-    low = sum(v for k, v in totals.items() if k in _HALF_NAMES or _is_float8_key(k))
+    low = sum(v for k, v in totals.items() if k in HALF_NAMES or is_float8_key(k))
     return low / total if total else 0.0
 
 
 def float8_share(totals: dict[str, int]) -> float:
     """The share of float8 products in :func:`matmul_flops` counts."""
     total = sum(totals.values())
-    return sum(v for k, v in totals.items() if _is_float8_key(k)) / total if total else 0.0
+    return sum(v for k, v in totals.items() if is_float8_key(k)) / total if total else 0.0

@@ -44,6 +44,7 @@ import re
 from typing import Any, Callable, Mapping, NamedTuple
 
 from jaxmp._src import hlo
+from jaxmp._src import messages
 from jaxmp._src import source
 
 # --- Targets ---------------------------------------------------------------------------------
@@ -857,10 +858,10 @@ def gpu_program(fn: Callable, *args: Any, target: str | GpuTarget = "h100",
     with host.no_host_callbacks():  # host callbacks cannot be compiled for another platform
         if hasattr(fn, "trace") and hasattr(fn, "lower"):  # already jitted: keep its options
             dynamic = jax.tree_util.tree_map(
-                lambda x: placed(x) if diagnostics._is_dynamic(x) else x, (args, kwargs))
+                lambda x: placed(x) if diagnostics.is_dynamic(x) else x, (args, kwargs))
             lowered = fn.trace(*dynamic[0], **dynamic[1]).lower()
         else:
-            call, dynamic = diagnostics._array_function(fn, args, kwargs)
+            call, dynamic = diagnostics.array_function(fn, args, kwargs)
             lowered = jax.jit(call).trace(jax.tree_util.tree_map(placed, dynamic)).lower()
     stablehlo = lowered.as_text()
     key = (hashlib.sha256(stablehlo.encode()).hexdigest(), spec.config)
@@ -873,11 +874,11 @@ def gpu_program(fn: Callable, *args: Any, target: str | GpuTarget = "h100",
         program = GpuProgram.from_hlo(compiled.as_text(), spec,
                                       temp_bytes=getattr(memory, "temp_size_in_bytes", None))
         program = dataclasses.replace(program,
-                                      requested_flops=diagnostics._module_flops(stablehlo))
+                                      requested_flops=diagnostics.module_flops(stablehlo))
         _COMPILED[key] = program
         while len(_COMPILED) > _COMPILED_SIZE:
             _COMPILED.popitem(last=False)
-    warn_if_float8_shortfall(program)  # once per place (census.warn_once)
+    warn_if_float8_shortfall(program)  # once per place (messages.warn_once)
     return program
 
 
@@ -911,10 +912,9 @@ def _wider_first(program: GpuProgram) -> Product | None:
 
 
 def warn_if_float8_shortfall(program: GpuProgram, tolerance: float = 0.005) -> bool:
-    """Warns (:class:`jaxmp.experimental.Float8ShortfallWarning`) when the GPU runs a smaller
-    share of the product FLOPs in float8 than the program before XLA asks for; returns whether
-    it warned."""
-    from jaxmp._src import census  # pylint: disable=import-outside-toplevel
+    """Warns (:class:`jaxmp.experimental.Float8ShortfallWarning`) when the GPU runs a smaller share of the
+    product FLOPs in float8 than the program before XLA asks for; returns whether it warned."""
+    from jaxmp._src import shortfall  # pylint: disable=import-outside-toplevel
     requested = program.requested_float8_share
     native = program.float8_native_share
     if not requested or native >= requested - tolerance:
@@ -929,12 +929,12 @@ def warn_if_float8_shortfall(program: GpuProgram, tolerance: float = 0.005) -> b
     else:
         why, fix = _SHORTFALL["other"]
     where = first.location or first.op_name or first.name
-    return census.warn_once(
+    return messages.warn_once(
         ("gpu_program", program.target.name, where, first.kind, first.engine),
-        f"jaxmp: on {program.target.description} XLA runs {census._percent(native)} of the "
+        f"jaxmp: on {program.target.description} XLA runs {messages.percent(native)} of the "
         f"matrix-product FLOPs of this program on float8 tensor cores, where jaxmp asks for "
-        f"{census._percent(requested)} (the program before XLA; jaxmp.debug.matmul_flops without "
+        f"{messages.percent(requested)} (the program before XLA; jaxmp.debug.matmul_flops without "
         f"target). The first product that runs wider is a {first.kind} compiled as "
         f"{first.how} on {first.lhs} x {first.rhs} operands at {where}: "
         f"{why}.\n  Fix: {fix}.",
-        census.Float8ShortfallWarning)
+        shortfall.Float8ShortfallWarning)

@@ -70,6 +70,7 @@ from jax import lax
 
 from jaxmp._src import casting
 from jaxmp._src import compat
+from jaxmp._src import messages
 
 Handler = Callable[["Interpreter", Any, list], list]
 
@@ -225,10 +226,8 @@ class Interpreter:
 
 
 def _warn_unknown(eqn, why: str) -> None:
-    # census holds the warn-once record; it imports float8, which imports this module.
-    from jaxmp._src import census  # pylint: disable=import-outside-toplevel
     name = eqn.primitive.name
-    census.warn_once(
+    messages.warn_once(
         ("unknown equation", name),
         f"jaxmp does not understand a {name} equation ({why}), so it runs as written, in its "
         f"own dtypes: nothing inside it is autocast or diagnosed. Call jaxmp's function inside "

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -34,8 +35,8 @@ from jaxmp._src import census
 from jaxmp._src import compat
 from jaxmp._src import interpret
 from jaxmp._src import loss_scale
+from jaxmp._src import messages
 from jaxmp._src import sharding
-from jaxmp._src import update
 from jaxmp._src import wide_gradients
 
 PyTree = Any
@@ -217,6 +218,39 @@ def returned_state_dtypes(aux: PyTree, states: Sequence[PyTree]) -> PyTree:
     return jax.tree_util.tree_map(restore, aux, is_leaf=lambda n: template_of(n) is not None)
 
 
+def warn_if_half_master_weights(diff: PyTree, state: loss_scale.ScalerState,
+                                use_mixed_precision: bool = True) -> None:
+    """Warns, at trace time, when half-precision parameters are trained under float16 scaling.
+
+    Called by the gradient step with the leaves it differentiates. With a
+    dynamic or static loss scale (float16 training) the parameters should be
+    float32 master weights: float16 parameters make the optimizer's arithmetic
+    and the update itself run in float16, where small updates round away and
+    large ones overflow. Pure bfloat16 training (a ``noop_scaler``) is a
+    legitimate choice and stays quiet.
+    """
+    if not use_mixed_precision or state.mode == "none":
+        return
+    leaves = jax.tree_util.tree_leaves_with_path(diff)
+    half = [(path, x) for path, x in leaves
+            if casting.is_float_array(x) and casting.is_half_dtype(x.dtype)]
+    if not half:
+        return
+    path, x = half[0]
+    warnings.warn(
+        f"jaxmp: {len(half)} of {len(leaves)} differentiated parameter arrays are in half "
+        f"precision (e.g. {jax.tree_util.keystr(path) or 'the argument'}: {x.dtype}) while the "
+        f"loss is scaled for float16 ({state.mode} loss scaling). Keep master weights in "
+        "float32: mp_value_and_grad casts them to the compute dtype for the forward and "
+        "backward pass, and the optimizer then updates float32 values (in half precision, "
+        "small updates round away and Adam's moments overflow). Cast them with "
+        "jaxmp.cast_tree(params, jnp.float32) before optimizer.init; with Haiku, set policies "
+        "after init or use params=float32 (jaxmp.get_policy('p=f32,c=f16,o=f32')).",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
     """The validated options of one jaxmp gradient function.
@@ -298,7 +332,7 @@ class Step:
         state = loss_scale.check_scaler_state(scaler_state)
         if (self.use_mixed_precision and state.mode == "dynamic"
                 and self.compute_dtype == jnp.bfloat16):
-            census.warn_once(
+            messages.warn_once(
                 ("dynamic scaler with bfloat16", self.api),
                 f"jaxmp: {self.api} computes in bfloat16 (compute_dtype=jnp.bfloat16, jaxmp's "
                 "default) with a dynamic loss scaler (jaxmp.init_scaler). bfloat16 has "
@@ -329,7 +363,7 @@ class Step:
                 f"No floating-point array leaves to differentiate in the argument(s) "
                 f"argnums={self.argnums!r}. Gradients are taken with respect to float arrays only."
             )
-        update.warn_if_half_master_weights(diff, state, self.use_mixed_precision)
+        warn_if_half_master_weights(diff, state, self.use_mixed_precision)
         diff, devices = sharding.prepare(diff, self.axis_name)
 
         def rebuild(new_diff):

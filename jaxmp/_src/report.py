@@ -8,12 +8,11 @@ transformation wrappers (``jvp(...)``, ``transpose(...)``, ``vmap(...)``)
 taken off. A product whose name stack holds ``transpose(`` belongs to the
 backward pass. Each product that does not run in the requested precision is
 explained from what the program shows around it (``_why``), in the words of
-the float8 warning's table (``census._WIDER``) where it has them.
+the float8 warning's table (``shortfall.WIDER``) where it has them.
 """
 
 from __future__ import annotations
 
-import os
 import textwrap
 from typing import Any, Callable, NamedTuple
 
@@ -25,6 +24,8 @@ from jaxmp._src import census
 from jaxmp._src import compat
 from jaxmp._src import diagnostics
 from jaxmp._src import float8
+from jaxmp._src import messages
+from jaxmp._src import shortfall
 from jaxmp._src import source
 
 
@@ -33,32 +34,32 @@ from jaxmp._src import source
 _MOVES = compat.MOVES
 
 
-# Why a product is not in the requested precision, by reason, for the reasons census._WIDER
+# Why a product is not in the requested precision, by reason, for the reasons shortfall.WIDER
 # (the float8 warning's table) does not know or says in float8's terms; the others
 # (a float8 operand, a custom derivative rule; with a float8 matmul_dtype, the autocast
 # rules) are said in its words (``_explain``).
 _REASONS = {
-    "kept": census._Why(
+    "kept": shortfall.Why(
         "it runs in {compute}: your jaxmp.experimental.Float8Rules keep it there (a named scope in "
         "keep_scopes, min_flops or keep_if), or it is outside the function autocast runs "
         "with matmul_dtype",
         "drop it from the rules to run it in float8"),
-    "operand": census._Why(
+    "operand": shortfall.Why(
         "its operands are {dtypes}: only floating-point products run in a lower precision",
         "convert that operand to a floating-point dtype in your code"),
-    "rules": census._Why(
+    "rules": shortfall.Why(
         "autocast runs it as written, in the dtypes your program gives it ({dtypes}): "
         "{primitive} is not in the autocast rules' low_precision set",
         "put it back in jaxmp.AutocastRules.low_precision"),
-    "user": census._Why(
+    "user": shortfall.Why(
         "its operands are {dtypes}, made by your code{origin}",
         "run the step under autocast (mp_value_and_grad's default), or cast that value "
         "(e.g. the layer's dtype=) to {compute}"),
-    "forced": census._Why(
+    "forced": shortfall.Why(
         "it is inside jaxmp.force_full_precision, which runs it in float32 on purpose",
         "nothing, if it overflows in {compute}; to run it in {compute}, call that code "
         "without jaxmp.force_full_precision"),
-    "outside": census._Why(
+    "outside": shortfall.Why(
         "it is outside the functions jaxmp runs under autocast (the loss given to "
         "mp_value_and_grad, a function given to jaxmp.autocast), so it runs as your code "
         "wrote it, on {dtypes} operands{origin}",
@@ -193,7 +194,7 @@ class PrecisionReport(NamedTuple):
         total = sum(self.totals.values())
         wide = sum(w.flops for w in self.wider)
         head = (f"precision report: {_count(total)} matrix-product FLOPs, "
-                f"{census._percent(1 - wide / total) if total else '0%'} in {self.requested}")
+                f"{messages.percent(1 - wide / total) if total else '0%'} in {self.requested}")
         out = [head, "", *lines]
         if self.wider:
             out += ["", f"Not in {self.requested}:"]
@@ -251,10 +252,11 @@ def _compiled_lines(program) -> list[str]:
     """What the GPU runs of the step, for :meth:`PrecisionReport.table`."""
     totals = program.matmul_flops()
     total = sum(totals.values())
+    half = diagnostics.low_precision_share(totals) - diagnostics.float8_share(totals)
     lines = [f"On {program.target.description}, as XLA compiles the step (the rows above are "
              f"the program before XLA): {_count(total)} matrix-product FLOPs, float8 on "
-             f"tensor cores {census._percent(program.float8_native_share)}, half precision "
-             f"{census._percent(diagnostics.low_precision_share(totals) - diagnostics.float8_share(totals))}"]
+             f"tensor cores {messages.percent(program.float8_native_share)}, half precision "
+             f"{messages.percent(half)}"]
     wider: dict = {}
     for p in program.products:
         if p.widened or not p.tensor_cores:
@@ -304,10 +306,10 @@ def _dtype_key(eqn) -> str:
 
 def _in_requested(key: str, compute: np.dtype | None, matmul: np.dtype | None) -> bool:
     if matmul is not None:
-        return diagnostics._is_float8_key(key)
+        return diagnostics.is_float8_key(key)
     if compute is not None:
         return key == compute.name
-    return key in diagnostics._HALF_NAMES or diagnostics._is_float8_key(key)
+    return key in diagnostics.HALF_NAMES or diagnostics.is_float8_key(key)
 
 
 class _Program:
@@ -327,7 +329,7 @@ class _Program:
             inner = [j for j, _ in census.sub_jaxprs(eqn)]
             for j in inner:  # the constants of a nested jit: what its function closed over
                 self.origin.update({v: "closure" for v in j.constvars})
-            if eqn.primitive.name in census._PRODUCTS and self.autocast_converts(eqn):
+            if eqn.primitive.name in compat.PRODUCTS and self.autocast_converts(eqn):
                 self.cast_by_autocast.add(eqn.primitive.name)
             called = census.called_jaxpr(eqn)
             if called is not None:
@@ -379,11 +381,15 @@ class _Program:
         return None, ""
 
 
+# The module of autocast's interpreter, which converts the operands of the products it runs.
+_AUTOCAST = "jaxmp._src.autocast"
+
+
 def _made_by_autocast(eqn, enclosing: tuple) -> bool:
-    """Whether ``eqn`` was added by autocast itself (a conversion of an operand)."""
-    found = source._found(eqn, enclosing)
-    return bool(found) and source.in_jaxmp(found[0].file_name) and os.path.basename(
-        found[0].file_name) == "autocast.py"
+    """Whether ``eqn`` was added by autocast itself (a conversion of an operand): its innermost
+    frame is in autocast's module (or in one of its submodules, were it a package)."""
+    module = source.jaxmp_module(eqn, enclosing)
+    return module is not None and (module == _AUTOCAST or module.startswith(_AUTOCAST + "."))
 
 
 def _widens(eqn) -> bool:
@@ -406,13 +412,13 @@ def _why(program: _Program, eqn, enclosing: tuple, name_stack: str, key: str,
             and key == compute.name and "transpose(" in name_stack):
         return "conv_backward"
     # A custom_vjp's backward rule is traced inside its own transpose: transpose(...(transpose(.
-    if (any(e.primitive.name in census._CUSTOM_RULES for e in enclosing)
+    if (any(e.primitive.name in compat.CUSTOM_RULES for e in enclosing)
             or compat.transpose_depth(name_stack) > 1):
         return "custom_rule"
     if casting.in_full_precision_scope(name_stack):
         return "forced"
     if matmul is not None and (key == compute.name if compute is not None
-                               else key in diagnostics._HALF_NAMES):
+                               else key in diagnostics.HALF_NAMES):
         return "kept"
     # Autocast casts the operands of the products it runs in the compute dtype; one it runs as
     # written gets operands converted back to the program's dtypes, or none at all.
@@ -428,10 +434,10 @@ def _explain(why: str, eqn, enclosing: tuple, program: _Program, compute: np.dty
              matmul: np.dtype | None) -> tuple[str, str]:
     """What to say of a product not in the requested precision, and the fix."""
     dtypes = " x ".join(np.dtype(v.aval.dtype).name for v in eqn.invars[:2])
-    custom = [e.primitive.name for e in enclosing if e.primitive.name in census._CUSTOM_RULES]
+    custom = [e.primitive.name for e in enclosing if e.primitive.name in compat.CUSTOM_RULES]
     fields = dict(primitive=eqn.primitive.name, dtypes=dtypes,
                   compute=compute.name if compute is not None else "half precision",
-                  rule=census._CUSTOM_RULES[custom[-1]] if custom else "jax.custom_vjp",
+                  rule=compat.CUSTOM_RULES[custom[-1]] if custom else "jax.custom_vjp",
                   origin="")
     if why in ("user", "outside"):
         kind, where = program.origin_of(eqn)
@@ -440,7 +446,7 @@ def _explain(why: str, eqn, enclosing: tuple, program: _Program, compute: np.dty
         wide = max((np.dtype(v.aval.dtype) for v in eqn.invars[:2]), key=lambda d: d.itemsize)
         fields["origin"] = _ORIGINS[kind].format(wide=wide.name, where=where)
     if why not in _REASONS or (matmul is not None and why == "rules"):
-        row = census._WIDER[why]
+        row = shortfall.WIDER[why]
     else:
         row = _REASONS[why]
     return row.says.format(**fields), row.fix.format(**fields)
@@ -579,7 +585,7 @@ def precision_report(fn: Callable, *args: Any, compute_dtype: Any = None,
     if matmul_dtype is not None:
         matmul = float8.check_matmul_dtype(matmul_dtype, compute if compute is not None
                                            else np.dtype("float32"))
-    call, dynamic = diagnostics._array_function(fn, args, kwargs)
+    call, dynamic = diagnostics.array_function(fn, args, kwargs)
     report = _report(jax.make_jaxpr(call)(dynamic), compute, matmul)
     if target is None:
         return report

@@ -58,8 +58,29 @@ def made_by_jaxmp(eqn, enclosing: Sequence[Any] = ()) -> bool:
     Such an operation (an input cast, autocast's conversion of an operand, the
     loss scaling) has no line of its own in the user's code.
     """
+    return jaxmp_module(eqn, enclosing) is not None
+
+
+def jaxmp_module(eqn, enclosing: Sequence[Any] = ()) -> str | None:
+    """The jaxmp module that added ``eqn`` to the user's program, or ``None`` (not jaxmp's).
+
+    Args:
+        eqn: an equation of a traced program.
+        enclosing: the equations ``eqn`` is nested in, outermost first: inside a
+            cached nested ``jit`` JAX may keep no frame of ``eqn``'s own, and
+            the innermost enclosing equation's frames are read instead.
+
+    Returns:
+        The dotted name of the module of ``eqn``'s innermost frame
+        (``"jaxmp._src.autocast"``; a package's ``__init__.py`` gives the
+        package's name) when that frame is jaxmp's; ``None`` otherwise.
+    """
     found = _found(eqn, enclosing)
-    return bool(found) and in_jaxmp(found[0].file_name)
+    if not found or not in_jaxmp(found[0].file_name):
+        return None
+    path = os.path.relpath(os.path.abspath(found[0].file_name), _JAXMP_DIR)
+    parts = ["jaxmp", *os.path.splitext(path)[0].split(os.sep)]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _user_frames(eqn, enclosing: Sequence[Any]) -> tuple[Any, Any]:

@@ -2,9 +2,9 @@
 
 A step is skipped when its gradients are not finite (the ``finite`` flag of
 :func:`jaxmp.mp_value_and_grad`) *and* when the optimizer's own update is not:
-half-precision optimizer arithmetic can overflow on finite gradients. This
-module also holds the trace-time check that the parameters being
-differentiated under float16 loss scaling are float32 master weights.
+half-precision optimizer arithmetic can overflow on finite gradients. (The
+trace-time check that the parameters a step differentiates under float16 loss
+scaling are float32 master weights is the step's own: :mod:`jaxmp._src.kernel`.)
 """
 
 from __future__ import annotations
@@ -270,36 +270,3 @@ def _has_dtype(tree: PyTree, dtypes: tuple) -> bool:
     dtypes = {jnp.dtype(d) for d in dtypes}
     return any(casting.is_float_array(x) and jnp.dtype(x.dtype) in dtypes
                for x in jax.tree_util.tree_leaves(tree))
-
-
-def warn_if_half_master_weights(diff: PyTree, state: loss_scale.ScalerState,
-                                use_mixed_precision: bool = True) -> None:
-    """Warns, at trace time, when half-precision parameters are trained under float16 scaling.
-
-    Called by the gradient step with the leaves it differentiates. With a
-    dynamic or static loss scale (float16 training) the parameters should be
-    float32 master weights: float16 parameters make the optimizer's arithmetic
-    and the update itself run in float16, where small updates round away and
-    large ones overflow. Pure bfloat16 training (a ``noop_scaler``) is a
-    legitimate choice and stays quiet.
-    """
-    if not use_mixed_precision or state.mode == "none":
-        return
-    leaves = jax.tree_util.tree_leaves_with_path(diff)
-    half = [(path, x) for path, x in leaves
-            if casting.is_float_array(x) and casting.is_half_dtype(x.dtype)]
-    if not half:
-        return
-    path, x = half[0]
-    warnings.warn(
-        f"jaxmp: {len(half)} of {len(leaves)} differentiated parameter arrays are in half "
-        f"precision (e.g. {jax.tree_util.keystr(path) or 'the argument'}: {x.dtype}) while the "
-        f"loss is scaled for float16 ({state.mode} loss scaling). Keep master weights in "
-        "float32: mp_value_and_grad casts them to the compute dtype for the forward and "
-        "backward pass, and the optimizer then updates float32 values (in half precision, "
-        "small updates round away and Adam's moments overflow). Cast them with "
-        "jaxmp.cast_tree(params, jnp.float32) before optimizer.init; with Haiku, set policies "
-        "after init or use params=float32 (jaxmp.get_policy('p=f32,c=f16,o=f32')).",
-        UserWarning,
-        stacklevel=3,
-    )
