@@ -23,6 +23,7 @@ from jaxmp._src import gpu_program
 from jaxmp._src import low_precision
 from jaxmp._src import nonfinite
 from jaxmp._src import report
+from jaxmp._src import shortfall
 
 PINNED = {
     "cast_tree", "cast_function", "force_full_precision", "Policy", "get_policy", "init_scaler",
@@ -54,7 +55,7 @@ MOVED = {
     "UnknownEquationWarning": ("debug", compat.UnknownEquationWarning),
     "is_float_array": ("debug", casting.is_float_array),
     "Float8Rules": ("experimental", float8.Float8Rules),
-    "Float8ShortfallWarning": ("experimental", census.Float8ShortfallWarning),
+    "Float8ShortfallWarning": ("experimental", shortfall.Float8ShortfallWarning),
     "low_precision_optimizer": ("experimental", low_precision.low_precision_optimizer),
     "LowPrecisionState": ("experimental", low_precision.LowPrecisionState),
 }

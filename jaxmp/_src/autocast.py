@@ -916,9 +916,8 @@ def _region_key(jaxpr, region: list[int], inputs: list, outputs: list) -> Any:
             eqn = jaxpr.eqns[j]
             ins = tuple(("lit", repr(v.val), str(v.aval)) if compat.is_literal(v)
                         else position[v] for v in eqn.invars)
-            frames = compat.user_frames(eqn.source_info.traceback)
-            where = (tuple((f.file_name, f.start_line) for f in frames),
-                     str(eqn.source_info.name_stack))
+            frames = compat.user_frames(compat.traceback(eqn))
+            where = (tuple((f.file_name, f.start_line) for f in frames), compat.name_stack(eqn))
             parts.append((compat.params_key(eqn), ins,
                           tuple(str(v.aval) for v in eqn.outvars), where))
             position.update({v: ("eqn", n, k) for k, v in enumerate(eqn.outvars)})
@@ -1027,27 +1026,22 @@ def _scan_with_regions(eqn, invals: list, policy) -> list:
     Without it, the reverse pass of a scanned model keeps each iteration's
     float32 intermediates (normalisation statistics, softmax exponentials):
     stacked over the iterations, more memory than the hand-written
-    half-precision step, where the unrolled model needs less. The body's
-    closed-over values are traced as arguments, so the new body closes over
-    none; should it still (a JAX that hoists a constant), the scan is bound
-    as it was.
+    half-precision step, where the unrolled model needs less. A body that
+    closes over values (up to jax 0.10 ``lax.scan`` passes them as operands),
+    or a scan whose parameters jaxmp does not know (autocast ran it as
+    written and said so), is bound as it is.
     """
-    given = eqn.params["jaxpr"]
-    body = compat.closed(given)
-    n = len(body.consts)
-
-    def new_body(*xs):
-        return _eval_with_regions(compat.closed_with(body.jaxpr, xs[:n]), xs[n:], policy)
-
-    avals = [*(jax.typeof(c) for c in body.consts), *body.in_avals]
-    program = jax.make_jaxpr(new_body)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+    try:
+        body = compat.scan(eqn).body
+    except compat.UnknownEquation:
+        return interpret.bind(eqn, invals)
+    if body.consts:
+        return interpret.bind(eqn, invals)
+    program = jax.make_jaxpr(lambda *xs: _eval_with_regions(body, xs, policy))(
+        *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in body.in_avals])
     if program.consts:
         return interpret.bind(eqn, invals)
-    params = {**eqn.params, "jaxpr": compat.like_given(program, given)}
-    if n:  # the body's constants become the scan's leading constants
-        params["num_consts"] = eqn.params["num_consts"] + n
-        params["linear"] = (False,) * n + tuple(eqn.params["linear"])
-    return interpret.bind(eqn, [*body.consts, *invals], params)
+    return interpret.bind(eqn, invals, compat.scan_with_body(eqn, program))
 
 
 _FORWARD_MODE_MESSAGE = (

@@ -205,11 +205,6 @@ def like_given(program: Any, given: Any) -> Any:
     return program if isinstance(given, _jex_core.ClosedJaxpr) else program.jaxpr
 
 
-def closed_with(jaxpr: Any, consts: Any) -> Any:
-    """The open ``jaxpr`` closed over ``consts``."""
-    return _jex_core.ClosedJaxpr(jaxpr, list(consts))
-
-
 def open_jaxpr(jaxpr: Any) -> Any:
     """The open ``Jaxpr`` of ``jaxpr`` (closed or not): its ``eqns``, ``invars``, ``outvars``."""
     return getattr(jaxpr, "jaxpr", jaxpr)
@@ -454,6 +449,13 @@ def scan(eqn) -> Scan:
     return Scan(closed(_param(eqn, "jaxpr")), num_consts, num_carry, _param(eqn, "length"),
                 _param(eqn, "reverse"), _param(eqn, "unroll", default=1),
                 _param(eqn, "_split_transpose", default=False))
+
+
+def scan_with_body(eqn, body: Any) -> dict:
+    """The parameters of a ``scan`` equation with its body replaced by the closed jaxpr
+    ``body`` (no constants; the same operands), in the form the equation holds its body."""
+    given = _param(eqn, "jaxpr")
+    return {**eqn.params, "jaxpr": like_given(body, given)}
 
 
 class While(NamedTuple):
