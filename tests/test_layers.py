@@ -213,3 +213,35 @@ def test_the_helpers_read_a_package_by_its_modules():
     assert _with_packages({"autocast.rules", "census"}) == {"autocast", "autocast.rules",
                                                             "census"}
     assert {"grad", "census", "shortfall"} <= set(MODULES) and "" not in MODULES
+
+
+def _code_lines(node: ast.AST, lines: list[str]) -> int:
+    """Lines of a definition that hold code: neither blank, nor a comment, nor its docstring."""
+    body = [line for line in lines[node.lineno - 1:node.end_lineno]
+            if line.strip() and not line.strip().startswith("#")]
+    first = node.body[0]
+    if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)):
+        return len(body) - len([line for line in lines[first.lineno - 1:first.end_lineno]
+                                if line.strip()])
+    return len(body)
+
+
+def test_no_function_is_longer_than_80_lines_of_code():
+    long = []
+    for path in sorted(SRC.rglob("*.py")):
+        text = path.read_text()
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = _code_lines(node, lines)
+                if n > 80:
+                    long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name}: {n} lines")
+    assert not long, "split these into functions of one task each:\n" + "\n".join(long)
+
+
+def test_the_line_count_leaves_docstrings_and_comments_out():
+    source = ('def f():\n    """Doc.\n\n    More.\n    """\n    # a comment\n\n'
+              '    x = 1\n    return x\n')
+    node = ast.parse(source).body[0]
+    assert _code_lines(node, source.splitlines()) == 3  # def, x = 1, return
