@@ -894,8 +894,8 @@ def _recomputed_from_inputs(fn: Callable, backwards: dict | None = None,
                                         (list(xs), list(cts))))
             # Without the recomputed outputs nothing reads (find_nonfinite would take
             # them for gradients, the program's ends).
-            program = known[key, types] = (compat.without_dead_code(traced.jaxpr, keep_inputs=True),
-                                           traced.consts)
+            program = known[key, types] = (
+                compat.without_dead_code(traced.jaxpr, keep_inputs=True), traced.consts)
         return tuple(compat.eval_jaxpr(*program, *args))
 
     run.defvjp(fwd, bwd)
