@@ -600,7 +600,7 @@ def _deep(ws, x):
 
 
 def test_identical_layers_share_one_traced_backward_pass(monkeypatch):
-    from jaxmp._src import autocast as autocast_module
+    from jaxmp._src.autocast import recompute as autocast_module
     ws = [_activations(1.0, shape=(8, 32), out=32, seed=i)[0] * 0.2 for i in range(6)]
     x = _activations(1.0, shape=(8, 32), out=32, seed=9)[1]
     grad = jax.jit(jax.grad(jaxmp.autocast(_deep, F16)))

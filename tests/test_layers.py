@@ -176,6 +176,20 @@ def test_no_module_reads_another_modules_private_names(module):
     assert not private_reads(module), "\n".join(private_reads(module))
 
 
+def test_the_autocast_package_is_layered():
+    # rules.py at the bottom; the analyses, the interpreter and the recompute pass each read
+    # the rules and none of the others; the package's face (__init__.py) wires all four.
+    def inside(module):
+        return {m for m in imports(module) if m.startswith("autocast.")}
+
+    parts = {"autocast.rules", "autocast.analysis", "autocast.interpreter", "autocast.recompute"}
+    assert {m for m in MODULES if m.startswith("autocast.")} == parts
+    assert inside("autocast.rules") == set()
+    for module in parts - {"autocast.rules"}:
+        assert inside(module) == {"autocast.rules"}, module
+    assert inside("autocast") == parts
+
+
 def test_the_helpers_see_the_imports_they_should():
     assert "kernel" in imports("grad") and "autocast" not in imports("kernel")
     assert "autocast" in imports("kernel", deferred=True)  # imported inside a function

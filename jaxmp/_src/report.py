@@ -381,13 +381,13 @@ class _Program:
         return None, ""
 
 
-# The module of autocast's interpreter, which converts the operands of the products it runs.
+# The package of autocast, whose interpreter converts the operands of the products it runs.
 _AUTOCAST = "jaxmp._src.autocast"
 
 
 def _made_by_autocast(eqn, enclosing: tuple) -> bool:
     """Whether ``eqn`` was added by autocast itself (a conversion of an operand): its innermost
-    frame is in autocast's module (or in one of its submodules, were it a package)."""
+    frame is in autocast's package (``interpreter.py`` converts; any of its modules counts)."""
     module = source.jaxmp_module(eqn, enclosing)
     return module is not None and (module == _AUTOCAST or module.startswith(_AUTOCAST + "."))
 

@@ -72,7 +72,7 @@ def jaxmp_module(eqn, enclosing: Sequence[Any] = ()) -> str | None:
 
     Returns:
         The dotted name of the module of ``eqn``'s innermost frame
-        (``"jaxmp._src.autocast"``; a package's ``__init__.py`` gives the
+        (``"jaxmp._src.autocast.interpreter"``; a package's ``__init__.py`` gives the
         package's name) when that frame is jaxmp's; ``None`` otherwise.
     """
     found = _found(eqn, enclosing)

@@ -1,0 +1,283 @@
+"""Automatic mixed precision per operation: ``autocast``.
+
+``autocast(fn)`` traces ``fn`` to a jaxpr and evaluates it again, one equation
+at a time, choosing the precision of every operation from plain sets of
+primitive names. The package, in the order a call goes through it:
+
+* ``rules.py``: :class:`AutocastRules`, which primitive runs in which precision
+  (``low_precision``, ``full_precision``, ``bounded``, ``follow``,
+  ``passthrough``, or as written), and the default sets;
+* ``analysis.py``: what is read from the traced program before it is
+  evaluated, from the rules alone: which values must stay wide, which
+  collectives may move narrowed, which exponentials may run in half precision;
+* ``interpreter.py``: the evaluation itself, each equation in the precision
+  its rule and those analyses give it, values computed in float32 *kept*
+  there until they are narrowed;
+* ``recompute.py``: with ``recompute_float32``, the interpreter's program
+  evaluated once more, each connected float32 region recomputed in the
+  backward pass instead of saved.
+
+This module holds the public function, which checks its arguments and wires
+the four together; the other modules do not import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+
+from jaxmp._src import casting
+from jaxmp._src import census
+from jaxmp._src import compat
+from jaxmp._src import float8
+from jaxmp._src import interpret
+from jaxmp._src import shortfall
+from jaxmp._src.autocast import analysis
+from jaxmp._src.autocast import interpreter as interpreter_lib
+from jaxmp._src.autocast import recompute as recompute_lib
+from jaxmp._src.autocast.rules import AutocastRules
+from jaxmp._src.autocast.rules import BOUNDED
+from jaxmp._src.autocast.rules import FOLLOW
+from jaxmp._src.autocast.rules import FULL_PRECISION
+from jaxmp._src.autocast.rules import LOW_PRECISION
+from jaxmp._src.autocast.rules import PASSTHROUGH
+
+
+def autocast(
+    fn: Callable,
+    compute_dtype: Any = jnp.bfloat16,
+    *,
+    rules: AutocastRules = AutocastRules(),
+    low_precision: Iterable[str] | None = None,
+    full_precision: Iterable[str] | None = None,
+    follow: Iterable[str] | None = None,
+    passthrough: Iterable[str] | None = None,
+    recompute_float32: bool = True,
+    bounded: Iterable[str] | None = None,
+    matmul_dtype=None,
+    float8_rules=None,
+    float8_scaling="tensor",
+) -> Callable:
+    """Runs ``fn`` with a precision chosen per operation, like ``torch.autocast``.
+
+    ``fn`` is written in float32 and is not changed. Every call traces it to a
+    jaxpr and evaluates that jaxpr again with these rules (``rules``, a
+    :class:`jaxmp.AutocastRules` of primitive names, each in one kind):
+
+    * ``low_precision`` (``dot_general``, ``conv_general_dilated``): operands
+      in ``compute_dtype``, result in ``compute_dtype``;
+    * ``full_precision`` (sums, products, cumulative sums, ``exp``, ``log``,
+      powers, ``sqrt``, ``rsqrt``, ``erf``, ...): floating operands in float32,
+      result in float32. Softmax, log-softmax, ``logsumexp`` and the mean and
+      variance of a normalisation are made of these, so they run in float32;
+    * ``bounded`` (``tanh``, ``logistic``): saturating functions; like
+      ``follow``, except that a float32 operand is narrowed to
+      ``compute_dtype`` first (``tanh(inf)`` is still 1);
+    * ``follow`` (arithmetic, comparisons, reshapes, slices, ``max``...): the
+      narrowest dtype of the operands, so a float32 bias, scale or positional
+      embedding meeting a half-precision activation is cast down;
+    * ``passthrough`` (collectives, ``sort``, sharding annotations): each
+      operand keeps its dtype;
+    * any other primitive runs as written, in its original dtypes.
+
+    What stays in float32: the result of a ``full_precision`` operation is
+    *kept* there, and a ``follow`` operation that mixes a kept value with a
+    half-precision one runs in float32 (``x - mean``, a sum before a
+    division): these are the values that overflow or lose their digits in
+    half precision. A kept value is narrowed back to ``compute_dtype`` at the
+    operands of a matrix product, at a ``bounded`` function, by an explicit
+    cast in ``fn``, at the outputs of ``fn`` (which keep the dtypes ``fn``
+    gives them), and once it is *normalised*: divided by a statistic (a value
+    computed from sums and scalars only, such as a softmax's sum or
+    ``sqrt(var + eps)``) or multiplied by the reciprocal of one
+    (``rsqrt(var + eps)``). The normalisation itself is computed in float32;
+    its result, of order one, goes on in half precision, as in a
+    hand-written half-precision model, unless something downstream needs its
+    float32 digits: a ``full_precision`` operation (``log`` of a
+    probability), a loop, a branch or an output of ``fn``. So layer-norm and
+    softmax outputs, and everything after a ``tanh``, are half precision;
+    the statistics, ``x - mean`` and the sums of a softmax are float32. The
+    exponentials of a softmax, ``exp(x - max(x))``, lie in ``[0, 1]`` and
+    run in ``compute_dtype`` (like a ``bounded`` function) when the
+    probabilities go on in half precision (into an attention product);
+    those of a log-softmax or ``logsumexp``, or of probabilities that reach
+    a ``log`` or an output of ``fn``, stay float32.
+
+    What it costs: the float32 values are twice the size of half-precision
+    ones, the boundaries are conversions, and a float32 normalisation has a
+    float32 derivative in the backward pass. Integer, boolean and key values
+    are never touched; loop carries keep their dtypes; nested ``jit``,
+    ``scan``, ``while_loop``, ``cond``, ``checkpoint``, ``custom_jvp`` and
+    ``custom_vjp`` are handled inside (a custom derivative rule is kept and
+    evaluated in the original dtypes, so e.g. ``jax.nn.relu`` keeps its
+    gradient at 0).
+
+    With ``recompute_float32=True`` (the default for a half-precision
+    ``compute_dtype``) the float32 intermediates are not kept for the
+    backward pass: each connected float32 region (a layer norm, a softmax)
+    gets its own ``jax.checkpoint`` that keeps only its half-precision
+    inputs and recomputes the rest, with the conversion of its result to
+    ``compute_dtype`` and a layer norm's scale and bias, where its derivative
+    is taken: the recomputation is tied to the region's cotangent, so that
+    XLA cannot move it into the forward pass. The recomputed work is conversions,
+    elementwise operations and the region's sums, never a matrix product:
+    what is kept for the backward pass is then all half precision, for some
+    more work in the backward pass. The regions are ``jax.custom_vjp``
+    functions, which JAX differentiates in reverse mode only; when autocast
+    sees its inputs differentiated in forward mode (``jax.jvp``,
+    ``jax.jacfwd``, ``jax.hessian``, also under ``jit``) it evaluates that
+    trace as with ``recompute_float32=False`` (the same values; forward mode
+    has no backward pass to save memory in). The one case it cannot see is
+    ``jax.jvp`` of a ``jax.jit``-wrapped autocast function, which raises
+    JAX's error: put the ``jit`` outside the ``jvp``, or pass
+    ``recompute_float32=False``.
+
+    The result is an ordinary function: ``jit``, ``vmap`` and ``grad`` work on
+    it, its outputs have the dtypes ``fn`` gives them, gradients with respect
+    to float32 inputs are float32 and the backward pass of a half-precision
+    matrix product runs in half precision.
+
+    Args:
+        fn: any JAX function of arrays and pytrees of arrays; non-array
+            leaves (Python numbers, strings, ...) are treated as constants.
+        compute_dtype: the dtype of matrix products: ``jnp.bfloat16``
+            (default), ``jnp.float16`` or ``jnp.float32``.
+        rules: a :class:`jaxmp.AutocastRules`: which primitives run in which
+            precision (default: ``jaxmp.AutocastRules()``).
+        low_precision: if given, replaces ``rules.low_precision`` (primitive
+            names run in ``compute_dtype``).
+        full_precision: if given, replaces ``rules.full_precision``
+            (primitive names run in float32).
+        follow: if given, replaces ``rules.follow`` (primitive names run in
+            the narrowest dtype of their operands).
+        passthrough: if given, replaces ``rules.passthrough`` (primitive
+            names whose operands keep their own dtypes).
+        recompute_float32: recompute float32 intermediates in the backward
+            pass instead of saving them (see above).
+        bounded: if given, replaces ``rules.bounded`` (saturating functions
+            whose float32 operands are narrowed).
+        matmul_dtype: ``None`` (default): matrix products in
+            ``compute_dtype``. ``jnp.float8_e4m3fn`` (or ``jnp.float8_e5m2``):
+            every ``low_precision`` product that ``float8_rules`` selects
+            runs with float8 operands, each scaled per tensor from its
+            current absolute maximum, accumulating in float32, its result in
+            ``compute_dtype``; its backward products take the cotangent in
+            ``float8_e5m2``. A convolution runs its forward product and, with
+            unit strides, its input gradient in float8, the rest in
+            ``compute_dtype`` (XLA's GPU compiler runs only forward
+            convolutions in float8). See ``docs/float8.md``.
+        float8_rules: a :class:`jaxmp.experimental.Float8Rules`: which products stay in
+            ``compute_dtype`` under a float8 ``matmul_dtype`` (default
+            ``jaxmp.experimental.Float8Rules()``: none).
+        float8_scaling: how the float8 products are scaled. ``"tensor"``
+            (default): one power-of-two scale per operand, as above.
+            ``"mxfp8"`` (OCP MX v1.0, for GPUs with block-scaled float8, such
+            as Blackwell): each operand of each ``dot_general`` in blocks of 32
+            consecutive elements along that product's contracting dimension,
+            each block with its own power-of-two (E8M0) scale, forward and
+            backward (the weight gradient's blocks run along the batch and
+            token dimensions), all in ``float8_e4m3fn``, which
+            ``matmul_dtype`` must be; a few large rows then cost the others
+            nothing. A contracting dimension that is not a multiple of 32 is
+            padded with zeros; convolutions keep one scale per tensor. On GPUs
+            with block-scaled GEMMs (NVIDIA compute capability 10.0 and up)
+            the products are ``jax.nn.scaled_matmul`` (cuDNN's block-scaled
+            dot); on the CPU an emulation computes the same numbers; on other
+            accelerators (Hopper and older) the ``"tensor"`` recipe runs
+            instead, chosen when the product is traced and said once by a
+            :class:`jaxmp.experimental.Float8ShortfallWarning`. See ``docs/float8.md``.
+
+    The default sets are also attributes of this function
+    (``jaxmp.autocast.FULL_PRECISION``...); to change a rule, pass a new set,
+    e.g. ``full_precision=jaxmp.autocast.FULL_PRECISION | {"tanh"}``.
+
+    Returns:
+        A function with the signature and output dtypes of ``fn``.
+
+    Raises:
+        ValueError: for an unknown ``float8_scaling``, or ``"mxfp8"`` without
+            ``matmul_dtype=jnp.float8_e4m3fn`` (the message says the fix).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> import jaxmp
+        >>> def f(w, x):
+        ...     logits = x @ w                      # float16 under autocast
+        ...     return jnp.log(jnp.sum(jnp.exp(logits)))  # float32 under autocast
+        >>> w, x = jnp.full((4, 3), 6.0), jnp.ones((1, 4))
+        >>> float(jaxmp.cast_function(f, jnp.float16)(w, x))  # exp(24) overflows
+        inf
+        >>> out = jaxmp.autocast(f, jnp.float16)(w, x)
+        >>> round(float(out), 3), out.dtype
+        (25.099, dtype('float32'))
+
+        Float8 products with one scale per block of 32 (MXFP8): a row 1e5 times
+        larger than the others leaves them their precision.
+
+        >>> w = jax.random.normal(jax.random.key(0), (64, 32))
+        >>> x = jax.random.normal(jax.random.key(1), (32, 64)).at[0].multiply(1e5)
+        >>> mx = jax.jit(jaxmp.autocast(lambda w, x: x @ w, jnp.float32,
+        ...                             matmul_dtype=jnp.float8_e4m3fn, float8_scaling="mxfp8"))
+        >>> err = jnp.linalg.norm(mx(w, x) - x @ w, axis=1) / jnp.linalg.norm(x @ w, axis=1)
+        >>> bool(err.max() < 0.1)
+        True
+    """
+    casting.check_function(fn, "jaxmp.autocast", "autocast(fn, compute_dtype=jnp.bfloat16, ...)")
+    compute_dtype = casting.canonical_float_dtype(
+        compute_dtype, allowed=casting.COMPUTE_DTYPES, what="compute_dtype"
+    )
+    if not isinstance(rules, AutocastRules):
+        raise TypeError(f"rules must be a jaxmp.AutocastRules, got {type(rules).__name__}.")
+    matmul_dtype = float8.check_matmul_dtype(matmul_dtype, compute_dtype)
+    float8_recipe = float8.check_scaling(float8_scaling, matmul_dtype)
+    float8_rules = float8.Float8Rules() if float8_rules is None else float8_rules
+    if not isinstance(float8_rules, float8.Float8Rules):
+        raise TypeError(
+            "float8_rules must be a jaxmp.experimental.Float8Rules, got "
+            f"{type(float8_rules).__name__}.")
+    overrides = {"low_precision": low_precision, "full_precision": full_precision,
+                 "follow": follow, "passthrough": passthrough, "bounded": bounded}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if overrides:
+        rules = dataclasses.replace(rules, **overrides)
+    recompute = recompute_float32 and casting.is_half_dtype(compute_dtype)
+
+    def run_autocast(closed, dyn):
+        if matmul_dtype is not None:  # says, once, which products cannot run in float8
+            shortfall.warn_if_float8_shortfall(closed, rules, float8_rules, compute_dtype,
+                                               matmul_dtype, float8_recipe,
+                                               [census.is_differentiated(x) for x in dyn])
+        out_avals = closed.out_avals
+        keep = analysis.narrow_safe(closed, rules)
+        # Under float8 the products quantize their operands from float32: a collective
+        # narrowed to compute_dtype first would round twice, so it moves as written.
+        early = analysis.narrow_early(closed, rules) if matmul_dtype is None else frozenset()
+        interpreter = interpreter_lib.Autocast(compute_dtype, rules, keep, matmul_dtype,
+                                               float8_rules, analysis.shifted_exps(closed, keep),
+                                               early, float8_recipe)
+        consts = list(closed.consts)
+
+        def run(*flat):
+            outs = interpreter.eval_jaxpr(closed.jaxpr, flat[:len(consts)], flat[len(consts):])
+            return [interpreter.to_original(o, a) for o, a in zip(outs, out_avals)]
+
+        # Forward mode (jax.jvp, jacfwd, hessian) cannot go through the custom_vjp that ties
+        # the recomputation to the cotangent; it has no backward pass to save memory in.
+        if recompute and not compat.in_forward_mode(dyn):
+            program = jax.make_jaxpr(run)(*consts, *dyn)
+            return recompute_lib.eval_with_regions(
+                program, [*consts, *dyn], recompute_lib.recompute_policy(rules.low_precision))
+        return run(*consts, *dyn)
+
+    return functools.wraps(fn)(interpret.transform(fn, run_autocast))
+
+
+autocast.LOW_PRECISION = LOW_PRECISION
+autocast.FULL_PRECISION = FULL_PRECISION
+autocast.FOLLOW = FOLLOW
+autocast.PASSTHROUGH = PASSTHROUGH
+autocast.BOUNDED = BOUNDED
