@@ -10,7 +10,7 @@ import pytest
 from jax.extend import core as jex_core
 
 import jaxmp
-from jaxmp._src import census
+from jaxmp._src import jaxprs
 from benchmarks.models import DESKTOP_VIT, TINY_VIT, init_vit, vit_loss
 
 F16 = jnp.float16
@@ -19,7 +19,7 @@ F16 = jnp.float16
 def _dtypes_of(fn, *args, prim=None):
     """The output dtypes of every equation (optionally of one primitive) in the jaxpr of ``fn``."""
     return [(eqn.primitive.name, str(v.aval.dtype))
-            for eqn, _, _ in census.walk(jax.make_jaxpr(fn)(*args).jaxpr)
+            for eqn, _, _ in jaxprs.walk(jax.make_jaxpr(fn)(*args).jaxpr)
             if prim is None or eqn.primitive.name == prim for v in eqn.outvars]
 
 
@@ -697,7 +697,7 @@ def test_forward_mode_through_the_default():
     hess_ref = hessian(_block)
     assert np.linalg.norm(hess - hess_ref) < 0.25 * np.linalg.norm(hess_ref)
     # ... while reverse mode still recomputes the regions: more equations than untied.
-    size = lambda f: sum(1 for _ in census.walk(
+    size = lambda f: sum(1 for _ in jaxprs.walk(
         jax.make_jaxpr(jax.grad(lambda x: jnp.sum(f(w1, w2, x))))(x).jaxpr))
     assert size(default) > size(plain)
 
@@ -820,7 +820,7 @@ def test_a_primitive_moved_to_follow_keeps_a_float32_operand_wide():
 
     def tanh_dtypes(rules):
         jaxpr = jax.make_jaxpr(jaxmp.autocast(f, F16, rules=rules))(x).jaxpr
-        return [e.outvars[0].aval.dtype for e, _, _ in census.walk(jaxpr)
+        return [e.outvars[0].aval.dtype for e, _, _ in jaxprs.walk(jaxpr)
                 if e.primitive.name == "tanh"]
 
     # bounded (the default) narrows the kept operand; follow keeps it in float32.

@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxmp
-from jaxmp._src import census
 from jaxmp._src import float8
+from jaxmp._src import jaxprs
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -20,7 +20,7 @@ BF16 = jnp.bfloat16
 def _operand_dtypes(fn, *args, prim="dot_general"):
     """``(lhs dtype, rhs dtype)`` of every ``prim`` equation in the jaxpr of ``fn``, nested included."""
     return [tuple(str(v.aval.dtype) for v in eqn.invars[:2])
-            for eqn, _, _ in census.walk(jax.make_jaxpr(fn)(*args).jaxpr)
+            for eqn, _, _ in jaxprs.walk(jax.make_jaxpr(fn)(*args).jaxpr)
             if eqn.primitive.name == prim]
 
 
@@ -147,7 +147,7 @@ def test_result_is_in_compute_dtype_and_outputs_keep_their_dtypes():
 
 
 def _dot_eqns(fn, *args):
-    return [eqn for eqn, _, _ in census.walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return [eqn for eqn, _, _ in jaxprs.walk(jax.make_jaxpr(fn)(*args).jaxpr)
             if eqn.primitive.name == "dot_general"]
 
 
@@ -166,7 +166,7 @@ def test_products_write_the_compute_dtype_and_are_unscaled_by_one_scalar(compute
     assert {str(e.params["preferred_element_type"]) for e in eqns} == {product}
     jaxpr = jax.make_jaxpr(grad)(w, x)
     for eqn in eqns:  # the product's one consumer multiplies it by a broadcast scalar
-        users = [u for u, _, _ in census.walk(jaxpr.jaxpr)
+        users = [u for u, _, _ in jaxprs.walk(jaxpr.jaxpr)
                  if any(v is eqn.outvars[0] for v in u.invars)]
         assert [u.primitive.name for u in users] == ["mul"]
     assert all(g.dtype == jnp.float32 for g in grad(w, x))
@@ -178,7 +178,7 @@ def test_amax_reductions_and_scalars_per_product():
     quantizes two operands, the backward products one cotangent."""
     w, x = _operands(1.0)
     loss = _f8(lambda w, x: jnp.sum(_matmul(w, x).astype(jnp.float32) ** 2))
-    names = lambda fn: [e.primitive.name for e, _, _ in census.walk(
+    names = lambda fn: [e.primitive.name for e, _, _ in jaxprs.walk(
         jax.make_jaxpr(fn)(w, x).jaxpr)]
     fwd = names(_f8(_matmul))
     assert fwd.count("reduce_max") == 4 and fwd.count("optimization_barrier") == 1

@@ -17,8 +17,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxmp
-from jaxmp._src import census
 from jaxmp._src import float8
+from jaxmp._src import jaxprs
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -164,7 +164,7 @@ def test_blocks_within_one_dimension_are_quantized_where_the_operand_lies():
     _close(dw, _mx(x2, 0).T @ _mx(ct2, 0), np.abs(x2).T @ np.abs(ct2))
     f = jaxmp.autocast(_matmul, F32, matmul_dtype=E4M3, float8_scaling="mxfp8")
     jaxpr = jax.make_jaxpr(lambda w, x, ct: jax.vjp(f, w, x)[1](ct))(w, x, ct).jaxpr
-    eqns = [e for e, _, _ in census.walk(jaxpr)]
+    eqns = [e for e, _, _ in jaxprs.walk(jaxpr)]
     made_by = {v: e for e in eqns for v in e.outvars}
 
     def moved(v):  # whether v is a transposed copy, through reshapes
@@ -432,7 +432,7 @@ def test_mp_value_and_grad_and_accumulate_run_mxfp8_and_match_float32():
     grad_fn = jaxmp.mp_grad(_loss, **options)
     step = lambda p, x, y: grad_fn(p, x, y, scaler_state=jaxmp.noop_scaler())
     assert sum(eqn.primitive.name == "scaled_matmul_wrapper"  # 2 products, forward + backward
-               for eqn, _, _ in census.walk(jax.make_jaxpr(step)(params, x, y).jaxpr)) == 6
+               for eqn, _, _ in jaxprs.walk(jax.make_jaxpr(step)(params, x, y).jaxpr)) == 6
 
 
 def _run_checking_mxfp8(step, *args, layers):
@@ -444,7 +444,7 @@ def _run_checking_mxfp8(step, *args, layers):
     cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert BLOCK_DOT in cuda and "stablehlo.dot_general" not in cuda
     assert sum(eqn.primitive.name == "scaled_matmul_wrapper"
-               for eqn, _, _ in census.walk(traced.jaxpr.jaxpr)) == 3 * layers
+               for eqn, _, _ in jaxprs.walk(traced.jaxpr.jaxpr)) == 3 * layers
     return traced.lower().compile()(*args)
 
 

@@ -8,7 +8,7 @@ because it *is* float32's. :func:`warn_if_mostly_float32` counts the FLOPs of
 the matrix products and convolutions of the traced loss by operand dtype and
 warns when less than half are in half precision.
 
-The census itself (:func:`census`, :func:`walk`) and which operands of each
+The census itself (:func:`census`, over :func:`jaxprs.walk`) and which operands of each
 product are being differentiated (:func:`differentiated_products`) are also
 what the float8 warning counts with (:mod:`jaxmp._src.shortfall`, which says
 which products autocast cannot run in float8, and why).
@@ -21,13 +21,13 @@ says it once (:func:`messages.warn_once`).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterator
 
 import numpy as np
 
 from jaxmp._src import casting
 from jaxmp._src import compat
+from jaxmp._src import jaxprs
 from jaxmp._src import messages
 from jaxmp._src import source
 
@@ -62,34 +62,8 @@ class MostlyFloat32Warning(UserWarning):
     """
 
 
-#: The jaxprs inside an equation (scan, while, cond, jit, checkpoint, custom rules) with a
-#: repeat count.
-sub_jaxprs = compat.sub_jaxprs
-loop_trips = compat.loop_trips
-
-# Equations that call one jaxpr on exactly their operands and return its results.
-_CALLS = compat.CALLS
-
-
-def called_jaxpr(eqn):
-    """The (open) jaxpr that ``eqn`` calls on exactly its operands, or ``None``."""
-    if eqn.primitive.name not in _CALLS:
-        return None
-    inner = compat.open_jaxpr(compat.called_jaxpr(eqn, None))
-    if inner is None or len(inner.invars) != len(eqn.invars) or (
-            len(inner.outvars) != len(eqn.outvars)):
-        return None
-    return inner
-
-
-def _flops(eqn) -> int:
-    lhs, rhs = (v.aval for v in eqn.invars[:2])
-    out = eqn.outvars[0].aval
-    if eqn.primitive.name == "dot_general":
-        (contracting, _), _ = compat.dimension_numbers(eqn)
-        return 2 * math.prod(out.shape) * math.prod(lhs.shape[i] for i in contracting)
-    out_features = rhs.shape[compat.dimension_numbers(eqn).rhs_spec[0]]
-    return 2 * math.prod(out.shape) * math.prod(rhs.shape) // max(out_features, 1)
+# autocast.py reads census.sub_jaxprs until it switches to jaxprs.py (issue 35).
+sub_jaxprs = jaxprs.sub_jaxprs
 
 
 # --- Which operands are differentiated --------------------------------------------------------
@@ -128,7 +102,7 @@ def _inner_jaxprs(eqn) -> list[tuple[Any, list | None]]:
         return [(loop.cond.jaxpr, outer[:cn] + carry),
                 (loop.body.jaxpr, outer[cn:cn + bn] + carry)]
     found = []
-    for inner, _ in sub_jaxprs(eqn):
+    for inner, _ in jaxprs.sub_jaxprs(eqn):
         found.append((inner, outer if len(inner.invars) == len(outer) else None))
     return found
 
@@ -179,20 +153,11 @@ def differentiated_products(jaxpr, differentiated: list) -> dict:
     return out
 
 
-def walk(jaxpr, repeat: int = 1, enclosing: tuple = ()) -> Iterator[tuple[Any, int, tuple]]:
-    """``(eqn, times it runs, enclosing equations)`` for every equation of ``jaxpr``, nested ones
-    included (each before those inside it)."""
-    for eqn in jaxpr.eqns:
-        yield eqn, repeat, enclosing
-        for inner, times in sub_jaxprs(eqn):
-            yield from walk(inner, repeat * times, enclosing + (eqn,))
-
-
 def census(jaxpr) -> Iterator[tuple[Any, int, tuple]]:
     """``(eqn, flops, enclosing equations)`` for every product of ``jaxpr``, nested ones included."""
-    for eqn, repeat, enclosing in walk(jaxpr):
+    for eqn, repeat, enclosing in jaxprs.walk(jaxpr):
         if eqn.primitive.name in _PRODUCTS:
-            yield eqn, repeat * _flops(eqn), enclosing
+            yield eqn, repeat * jaxprs.eqn_flops(eqn), enclosing
 
 
 def warn_if_mostly_float32(closed_jaxpr, compute_dtype: Any, api: str) -> bool:

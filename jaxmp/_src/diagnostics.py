@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxmp._src import casting
 from jaxmp._src import host
+from jaxmp._src import jaxprs
 
 PyTree = Any
 
@@ -90,27 +91,21 @@ def saved_activation_bytes(
     casting.check_function(fn, "jaxmp.debug.saved_activation_bytes",
                            "saved_activation_bytes(fn, *args, argnums=0, has_aux=False)")
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    dynamic, static = casting.partition((args, kwargs), is_dynamic)
 
-    def residuals(dynamic):
-        call_args, call_kwargs = casting.combine(dynamic, static)
-        diff = [call_args[i] for i in nums]
-        parts = [casting.partition(d) for d in diff]
+    def residuals(*call_args, **call_kwargs):
+        diff, rebuild = jaxprs.at_positions(call_args, nums)
 
         def f(*floats):
-            full = list(call_args)
-            for i, chosen, (_, rest) in zip(nums, floats, parts):
-                full[i] = casting.combine(chosen, rest)
-            out = fn(*full, **call_kwargs)
+            out = fn(*rebuild(floats), **call_kwargs)
             if not has_aux:
                 return _arrays(out)
             # Not a pair: jax.vjp says what has_aux=True expects.
             return (_arrays(out[0]), out[1]) if isinstance(out, tuple) and len(out) == 2 else out
 
-        out = jax.vjp(f, *(chosen for chosen, _ in parts), has_aux=has_aux)
+        out = jax.vjp(f, *diff, has_aux=has_aux)
         return out[1]
 
-    shapes = jax.eval_shape(residuals, dynamic)
+    shapes = jax.eval_shape(*jaxprs.over_arrays(residuals, args, kwargs, is_dynamic))
     return int(sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize
                    for s in jax.tree_util.tree_leaves(shapes)))
 
@@ -236,7 +231,7 @@ def module_flops(text: str) -> dict[str, int]:
     ``jit`` called twice as one function), and a loop's once per iteration
     when the loop counts its iterations (:func:`_loop_trips`: the ``while``
     of a ``scan``); the body of any other ``while`` counts once, as
-    :func:`census.loop_trips` counts them in a jaxpr.
+    :func:`jaxprs.loop_trips` counts them in a jaxpr.
     """
     lines = text.splitlines()
     trips = _loop_trips(lines)
@@ -345,13 +340,7 @@ def array_function(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, P
         that :func:`is_dynamic` accepts, and ``call(dynamic)`` runs ``fn`` with
         the other leaves closed over and returns the array leaves of its result.
     """
-    dynamic, static = casting.partition((args, kwargs), is_dynamic)
-
-    def call(dynamic):
-        call_args, call_kwargs = casting.combine(dynamic, static)
-        return _arrays(fn(*call_args, **call_kwargs))
-
-    return call, dynamic
+    return jaxprs.over_arrays(lambda *a, **k: _arrays(fn(*a, **k)), args, kwargs, is_dynamic)
 
 
 def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", target: Any = None,

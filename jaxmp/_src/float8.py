@@ -71,6 +71,7 @@ from jax import lax
 from jaxmp._src import casting
 from jaxmp._src import compat
 from jaxmp._src import interpret
+from jaxmp._src import jaxprs
 from jaxmp._src import sharding
 
 #: The float8 dtypes accepted as ``matmul_dtype``.
@@ -214,14 +215,7 @@ class Float8Rules:
 def product_of(eqn, scope: str) -> Product:
     """The :class:`Product` of a ``dot_general`` or ``conv_general_dilated`` equation."""
     lhs, rhs = (tuple(v.aval.shape) for v in eqn.invars[:2])
-    out = tuple(eqn.outvars[0].aval.shape)
-    if eqn.primitive.name == "dot_general":
-        (contract, _), _ = compat.dimension_numbers(eqn)
-        macs = math.prod(out) * math.prod(lhs[i] for i in contract)
-    else:
-        out_features = rhs[compat.dimension_numbers(eqn).rhs_spec[0]]
-        macs = math.prod(out) * math.prod(rhs) // max(out_features, 1)
-    return Product(eqn.primitive.name, lhs, rhs, 2 * macs, scope)
+    return Product(eqn.primitive.name, lhs, rhs, jaxprs.eqn_flops(eqn), scope)
 
 
 def placement(eqn, scope: str, low_precision: Iterable[str], rules: Float8Rules) -> str | None:
@@ -381,45 +375,6 @@ def _dot(a, b, dimension_numbers, dtype=jnp.float32):
     return lax.dot_general(a, b, dimension_numbers, preferred_element_type=dtype)
 
 
-def _dot_layout(a_ndim: int, b_ndim: int, dimension_numbers) -> tuple[list, list, list, list, list]:
-    """``(a_free, b_free, ct_batch, ct_a, ct_b)`` of ``dot_general(a, b)``: the free dimensions
-    of each operand, and where the product (and its cotangent) holds the batch dimensions,
-    ``a``'s free ones and ``b``'s."""
-    (ac, bc), (ab, bb) = dimension_numbers
-    a_free = [d for d in range(a_ndim) if d not in ac and d not in ab]
-    b_free = [d for d in range(b_ndim) if d not in bc and d not in bb]
-    nb = len(ab)
-    return (a_free, b_free, list(range(nb)), list(range(nb, nb + len(a_free))),
-            list(range(nb + len(a_free), nb + len(a_free) + len(b_free))))
-
-
-def _dot_transposes(ct, a, b, dimension_numbers, product=None):
-    """The two backward products of ``dot_general(a, b)`` for the cotangent ``ct``.
-
-    ``ct`` has the layout of the product: batch dimensions, then ``a``'s free
-    dimensions, then ``b``'s. ``product(x, y, dimension_numbers)`` computes
-    each (default: a float32 ``dot_general``); each is then transposed into
-    the layout of the argument it differentiates.
-    """
-    product = product or _dot
-    (ac, bc), (ab, bb) = dimension_numbers
-    a_free, b_free, ct_batch, ct_a, ct_b = _dot_layout(a.ndim, b.ndim, dimension_numbers)
-    # d/da: contract ct's b-free dimensions with b's free dimensions. The result
-    # has a's batch, then a's free dimensions, then b's contracting ones in b's
-    # order, each standing for the contracting dimension of a it pairs with.
-    da = product(ct, b, ((ct_b, b_free), (ct_batch, list(bb))))
-    order = list(np.argsort(bc))
-    da_dims = list(ab) + a_free + [ac[i] for i in order]
-    da = lax.transpose(da, tuple(int(i) for i in np.argsort(da_dims)))
-    # d/db: the same with the roles exchanged (a as the left operand keeps
-    # b's free dimensions last, as in the forward product).
-    db = product(a, ct, ((a_free, ct_a), (list(ab), ct_batch)))
-    order = list(np.argsort(ac))
-    db_dims = list(bb) + [bc[i] for i in order] + b_free
-    db = lax.transpose(db, tuple(int(i) for i in np.argsort(db_dims)))
-    return da, db
-
-
 def _scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype):
     """``dot_general(a, b)`` in float8 with per-tensor scaling; float8 backward (see module).
 
@@ -456,7 +411,7 @@ def _scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype):
         # operand it differentiates (multiplied before, a transposed copy of attention-sized
         # gradients was written and read back).
         dot = lambda x, y, dn: _dot(x, y, dn, dtype)
-        da, db = _dot_transposes(ct8, a8, b8, dimension_numbers, dot)
+        da, db = jaxprs.dot_transposes(ct8, a8, b8, dimension_numbers, dot)
         return (da * f[3]).astype(dtypes[0]), (db * f[4]).astype(dtypes[1])
 
     product.defvjp(forward, backward)
@@ -734,7 +689,7 @@ def _block_scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, quant
     del matmul_dtype  # the recipe's quantize says which float8 dtype
     dtype = _product_dtype(out_dtype)
     (ac, bc), (ab, bb) = dimension_numbers
-    a_free, b_free, ct_batch, ct_a, ct_b = _dot_layout(a.ndim, b.ndim, dimension_numbers)
+    a_free, b_free, ct_batch, ct_a, ct_b = jaxprs.dot_layout(a.ndim, b.ndim, dimension_numbers)
 
     def undo(y, x, dims, dtype):
         """``y`` (``(B, F, K)``) back in the layout of ``x`` whose dims it lists."""

@@ -68,8 +68,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmp._src import casting
 from jaxmp._src import compat
+from jaxmp._src import jaxprs
 from jaxmp._src import messages
 
 Handler = Callable[["Interpreter", Any, list], list]
@@ -460,12 +460,7 @@ def transform(fn: Callable, run: Callable[[Any, list], list]) -> Callable:
     """
 
     def transformed(*args, **kwargs):
-        arrays, rest = casting.partition((args, kwargs), casting.is_array)
-
-        def flat_fn(arrays):
-            call_args, call_kwargs = casting.combine(arrays, rest)
-            return fn(*call_args, **call_kwargs)
-
+        flat_fn, arrays = jaxprs.over_arrays(fn, args, kwargs)
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(arrays)
         outs = run(closed, jax.tree_util.tree_leaves(arrays))
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)

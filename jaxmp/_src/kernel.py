@@ -34,6 +34,7 @@ from jaxmp._src import casting
 from jaxmp._src import census
 from jaxmp._src import compat
 from jaxmp._src import interpret
+from jaxmp._src import jaxprs
 from jaxmp._src import loss_scale
 from jaxmp._src import messages
 from jaxmp._src import sharding
@@ -356,8 +357,7 @@ class Step:
         tracing, about half-precision parameters under float16 loss scaling.
         """
         positions = resolve_positions(self.nums, len(args), "argnums", self.argnums)
-        parts = [casting.partition(args[i]) for i in positions]
-        diff = tuple(chosen for chosen, _ in parts)
+        diff, rebuild = jaxprs.at_positions(args, positions)
         if not any(casting.is_float_array(x) for x in jax.tree_util.tree_leaves(diff)):
             raise TypeError(
                 f"No floating-point array leaves to differentiate in the argument(s) "
@@ -365,13 +365,6 @@ class Step:
             )
         warn_if_half_master_weights(diff, state, self.use_mixed_precision)
         diff, devices = sharding.prepare(diff, self.axis_name)
-
-        def rebuild(new_diff):
-            full = list(args)
-            for pos, chosen, (_, rest) in zip(positions, new_diff, parts):
-                full[pos] = casting.combine(chosen, rest)
-            return full
-
         return diff, rebuild, devices
 
     def traced_views(self, diff: PyTree) -> PyTree:

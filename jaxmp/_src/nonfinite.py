@@ -55,10 +55,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src import casting
-from jaxmp._src import census
 from jaxmp._src import compat
 from jaxmp._src import kernel
 from jaxmp._src import interpret
+from jaxmp._src import jaxprs
 from jaxmp._src import loss_scale
 from jaxmp._src import one_device
 from jaxmp._src import sharding
@@ -389,18 +389,17 @@ class _Shadow(interpret.Interpreter):
         self.transposing = 0
         self.enclosing: list[Any] = []  # the higher-order equations being evaluated
         # The pytree path (in the user's arguments) of each input variable; the
-        # producer and the consumers of every variable of the jaxprs evaluated.
+        # producer and the consumers of every variable of the jaxprs evaluated, and the
+        # variables that leave a jaxpr (see _carry).
         self.input_paths: dict[Any, str] = {}
-        self.producer: dict[Any, Any] = {}
-        self.consumers: dict[Any, list] = {}
+        self.uses = jaxprs.Uses()
         self.seen_jaxprs: dict[int, Any] = {}
         # Where non-finite values go (see _carry): the sites each value's non-finite elements
         # come from, by the value's half-precision array (kept alive: ids stay unique); the
-        # sites whose non-finite values reach an end of the program; the variables that leave
-        # a jaxpr, and those of the program evaluated (its ends).
+        # sites whose non-finite values reach an end of the program; the variables of the
+        # program evaluated (its ends).
         self.carried: dict[int, tuple[Any, frozenset]] = {}
         self.reached: set[int] = set()
-        self.returned: set[Any] = set()
         self.ends: set[Any] = set()
         self.gathering: list[set] = []  # per higher-order equation being evaluated
 
@@ -413,13 +412,7 @@ class _Shadow(interpret.Interpreter):
     def eval_jaxpr(self, jaxpr, consts, args):
         if id(jaxpr) not in self.seen_jaxprs:
             self.seen_jaxprs[id(jaxpr)] = jaxpr  # kept alive: ids stay unique
-            for eqn in jaxpr.eqns:
-                for v in eqn.outvars:
-                    self.producer[v] = eqn
-                for v in eqn.invars:
-                    if compat.is_var(v):
-                        self.consumers.setdefault(v, []).append(eqn)
-            self.returned.update(v for v in jaxpr.outvars if compat.is_var(v))
+            self.uses.add(jaxpr)
         return super().eval_jaxpr(jaxpr, consts, args)
 
     # Values are pairs.
@@ -437,7 +430,7 @@ class _Shadow(interpret.Interpreter):
         return None if array is None else (array, _widen(array))
 
     def eval_eqn(self, eqn, invals):
-        inner = census.called_jaxpr(eqn)
+        inner = jaxprs.called_jaxpr(eqn)
         if inner is not None:
             for outer_v, inner_v in zip(eqn.invars, inner.invars):
                 if compat.is_var(outer_v) and outer_v in self.input_paths:
@@ -521,7 +514,7 @@ class _Shadow(interpret.Interpreter):
         calls = self.enclosing[:-1]
         for v in outvars:
             for call in reversed(calls):
-                inner = census.called_jaxpr(call)
+                inner = jaxprs.called_jaxpr(call)
                 if inner is None or not any(o is v for o in inner.outvars):
                     break
                 v = call.outvars[[o is v for o in inner.outvars].index(True)]
@@ -540,22 +533,22 @@ class _Shadow(interpret.Interpreter):
             for e in frontier:
                 if downstream:
                     for v in self._leaving_calls(e.outvars):
-                        for c in self.consumers.get(v, ()):
-                            inner = census.called_jaxpr(c)
+                        for c in self.uses.users.get(v, ()):
+                            inner = jaxprs.called_jaxpr(c)
                             if inner is not None:
                                 nearby += [d for i, u in enumerate(c.invars) if u is v
-                                           for d in self.consumers.get(inner.invars[i], ())]
+                                           for d in self.uses.users.get(inner.invars[i], ())]
                             nearby.append(c)
                 else:
                     for v in e.invars:
-                        p = self.producer.get(v) if compat.is_var(v) else None
+                        p = self.uses.producer.get(v) if compat.is_var(v) else None
                         if p is None:
                             continue
-                        inner = census.called_jaxpr(p)
+                        inner = jaxprs.called_jaxpr(p)
                         if inner is not None:
                             inner_v = inner.outvars[p.outvars.index(v)]
-                            if compat.is_var(inner_v) and inner_v in self.producer:
-                                nearby.append(self.producer[inner_v])
+                            if compat.is_var(inner_v) and inner_v in self.uses.producer:
+                                nearby.append(self.uses.producer[inner_v])
                         nearby.append(p)
             frontier = [e for e in nearby if id(e) not in seen]
             seen.update(id(e) for e in frontier)
@@ -653,7 +646,7 @@ class _Shadow(interpret.Interpreter):
         self.carried[id(h)] = (h, sites)
         for inside in self.gathering:
             inside |= sites
-        if var in self.ends or (var not in self.consumers and var not in self.returned):
+        if var in self.ends or (var not in self.uses.users and var not in self.uses.outputs):
             self.reached |= sites
 
     def _record(self, site, created, shadow_finite, nonfinite, underflow, half_max, f32_max,
@@ -1083,13 +1076,12 @@ def find_nonfinite(
         else:
             state = step.check_state(scaler_state)
         scale = 1.0 if state.mode == "none" else float(state.scale)
-        # Every array is an input of the traced step (not a constant), so that
-        # the casts of the batch are evaluated and named too.
-        arrays, rest = casting.partition((args, kwargs), casting.is_array)
-        flat = jax.tree_util.tree_leaves(arrays)
-        paths = _leaf_paths(arrays, names)
 
         def traced(backward: bool):
+            """The step's closed jaxpr and the arrays it takes (``(args, kwargs)``'s array
+            leaves): every array is an input of the traced step (not a constant), so that
+            the casts of the batch are evaluated and named too."""
+
             def on_member(*args, **kwargs):  # inside the mapping, if any
                 diff, rebuild, devices = step.differentiable(args, state)
 
@@ -1101,18 +1093,17 @@ def find_nonfinite(
                 return jax.lax.pmean(loss, axes) if axes else loss
 
             run = on_member if mapped is None else mapped(on_member)
-
-            def whole(arrays):
-                call_args, call_kwargs = casting.combine(arrays, rest)
-                return run(*call_args, **call_kwargs)
-
-            return _trace(whole, arrays)
+            whole, arrays = jaxprs.over_arrays(run, args, kwargs)
+            return _trace(whole, arrays), arrays
 
         # The mapping (if any) is traced, not run: each pass is evaluated here,
         # one operation at a time (a shard_map or pmap on the global arrays).
         fwd, bwd = _Shadow(), _Shadow()
-        (loss,) = fwd.run(traced(backward=False), flat, paths)
-        bwd.run(traced(backward=True), flat, paths)
+        forward_step, arrays = traced(backward=False)
+        flat = jax.tree_util.tree_leaves(arrays)
+        paths = _leaf_paths(arrays, names)
+        (loss,) = fwd.run(forward_step, flat, paths)
+        bwd.run(traced(backward=True)[0], flat, paths)
         jax.effects_barrier()  # every record from a callback is in before the report is read
         # One loss per member under a mapping (equal when averaged over axis_name).
         loss, loss_float32 = (float(np.asarray(x, np.float32).mean()) / scale for x in loss)

@@ -24,6 +24,7 @@ from jaxmp._src import census
 from jaxmp._src import compat
 from jaxmp._src import diagnostics
 from jaxmp._src import float8
+from jaxmp._src import jaxprs
 from jaxmp._src import messages
 from jaxmp._src import shortfall
 from jaxmp._src import source
@@ -318,20 +319,18 @@ class _Program:
     def __init__(self, closed):
         # Dead code is dropped, as lowering drops it (matmul_flops counts the lowered program).
         self.jaxpr = jaxpr = compat.without_dead_code(closed.jaxpr)
-        self.producer: dict = {}  # var -> (eqn, enclosing)
+        self.producer: dict = jaxprs.nested_producers(jaxpr)  # var -> (eqn, enclosing)
         self.same: dict = {}  # a var -> the var of another jaxpr it stands for (jit, checkpoint)
         self.cast_by_autocast: set = set()  # the primitives of products autocast casts
         self.origin: dict = {v: "closure" for v in jaxpr.constvars}
         self.origin.update({v: "argument" for v in jaxpr.invars})
-        for eqn, _, enclosing in census.walk(jaxpr):
-            for v in eqn.outvars:
-                self.producer[v] = (eqn, enclosing)
-            inner = [j for j, _ in census.sub_jaxprs(eqn)]
+        for eqn, _, _ in jaxprs.walk(jaxpr):
+            inner = [j for j, _ in jaxprs.sub_jaxprs(eqn)]
             for j in inner:  # the constants of a nested jit: what its function closed over
                 self.origin.update({v: "closure" for v in j.constvars})
             if eqn.primitive.name in compat.PRODUCTS and self.autocast_converts(eqn):
                 self.cast_by_autocast.add(eqn.primitive.name)
-            called = census.called_jaxpr(eqn)
+            called = jaxprs.called_jaxpr(eqn)
             if called is not None:
                 self.same.update(zip(called.invars, eqn.invars))
                 self.same.update(zip(eqn.outvars, called.outvars))

@@ -27,26 +27,17 @@ import numpy as np
 from jaxmp._src import casting
 from jaxmp._src import compat
 from jaxmp._src import interpret
+from jaxmp._src import jaxprs
 from jaxmp._src import sharding
-
-
-def _gradient_dot(g, y, x_ndim, dims, swap, precision, out_dtype):
-    """The gradient of ``dot_general`` for its operand ``x`` (``y`` the other), as JAX's rule."""
-    (x_contract, y_contract), (x_batch, y_batch) = dims
-    x_kept = [i for i in range(x_ndim) if i not in x_contract and i not in x_batch]
-    y_kept = [i for i in range(y.ndim) if i not in y_contract and i not in y_batch]
-    nb = len(x_batch)
-    start = nb if swap else nb + len(x_kept)  # where y's kept axes sit in the output
-    g_dims = ((tuple(range(start, start + len(y_kept))), tuple(y_kept)),
-              (tuple(range(nb)), tuple(y_batch)))
-    out = jax.lax.dot_general(g, y, g_dims, precision=precision, preferred_element_type=out_dtype)
-    order = list(x_batch) + x_kept + list(np.take(x_contract, np.argsort(y_contract)))
-    return jax.lax.transpose(out, tuple(int(i) for i in np.argsort(order)))
 
 
 def _wide_gradient_dot(eqn, wide):
     dims = compat.dimension_numbers(eqn)
     precision = compat.precision(eqn)
+
+    def product(x, y, dimension_numbers):  # as JAX's rule: the cotangent on the left
+        return jax.lax.dot_general(x, y, dimension_numbers, precision=precision,
+                                   preferred_element_type=wide)
 
     @jax.custom_vjp
     def dot(x, y):
@@ -58,9 +49,7 @@ def _wide_gradient_dot(eqn, wide):
     def bwd(res, g):
         x, y = res
         g = g.astype(x.dtype)
-        (xc, yc), (xb, yb) = dims
-        dx = _gradient_dot(g, y, x.ndim, dims, False, precision, wide)
-        dy = _gradient_dot(g, x, y.ndim, ((yc, xc), (yb, xb)), True, precision, wide)
+        dx, dy = jaxprs.dot_transposes(g, x, y, dims, product, ct_first=True)
         return dx.astype(x.dtype), dy.astype(y.dtype)
 
     dot.defvjp(fwd, bwd)

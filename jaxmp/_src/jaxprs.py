@@ -1,0 +1,261 @@
+"""Reading traced programs: the one place jaxmp walks, indexes and traces jaxprs.
+
+Every tool that reads a jaxpr (the census and its warnings, the precision
+report, the non-finite search, autocast, the float8 products) uses these
+rather than writing its own:
+
+* walking: :func:`walk` (every equation, nested ones included, with how often
+  it runs and what encloses it), :func:`sub_jaxprs` and :func:`loop_trips`
+  (which read equation parameters, so they live in :mod:`jaxmp._src.compat`
+  and are re-exported here), :func:`called_jaxpr`;
+* the use/def index: :class:`Uses` (which equation defines each variable,
+  which read it, what the jaxpr returns) and :func:`nested_producers`;
+* what a product computes: :func:`eqn_flops` (``2 *`` multiply-adds of a
+  ``dot_general`` or ``conv_general_dilated``), :func:`dot_layout` and
+  :func:`dot_transposes` (the two backward products of a ``dot_general``);
+* the leaf partition: :func:`over_arrays` (a function of the array leaves of
+  its arguments, the rest closed over: what is traced, lowered or
+  differentiated) and :func:`at_positions` (the leaves of some arguments
+  only, and how to put them back).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+from jax import lax
+
+from jaxmp._src import casting
+from jaxmp._src import compat
+
+PyTree = Any
+
+# --- Walking ------------------------------------------------------------------------------------
+
+#: The (open) jaxprs inside an equation (scan, while, cond, jit, checkpoint, custom rules,
+#: shard_map), each with how many times it runs per run of the equation.
+sub_jaxprs = compat.sub_jaxprs
+#: How often a ``while`` equation runs its body, when it counts its iterations, else 1.
+loop_trips = compat.loop_trips
+
+
+def called_jaxpr(eqn):
+    """The (open) jaxpr that ``eqn`` calls on exactly its operands, or ``None``.
+
+    Such an equation (``jit``, ``closed_call``, ``checkpoint``, a custom rule)
+    has one input per operand and one output per result, in order.
+    """
+    if eqn.primitive.name not in compat.CALLS:
+        return None
+    inner = compat.open_jaxpr(compat.called_jaxpr(eqn, None))
+    if inner is None or len(inner.invars) != len(eqn.invars) or (
+            len(inner.outvars) != len(eqn.outvars)):
+        return None
+    return inner
+
+
+def walk(jaxpr, repeat: int = 1, enclosing: tuple = ()) -> Iterator[tuple[Any, int, tuple]]:
+    """``(eqn, times it runs, enclosing equations)`` for every equation of ``jaxpr``, nested ones
+    included (each before those inside it).
+
+    A loop body runs the loop's trip count times per run of the loop
+    (:func:`sub_jaxprs`); ``repeat`` and ``enclosing`` are those of ``jaxpr``
+    itself.
+    """
+    for eqn in jaxpr.eqns:
+        yield eqn, repeat, enclosing
+        for inner, times in sub_jaxprs(eqn):
+            yield from walk(inner, repeat * times, enclosing + (eqn,))
+
+
+# --- The use/def index --------------------------------------------------------------------------
+
+
+class Uses:
+    """Which equation defines each variable of a jaxpr, which equations read it, what it returns.
+
+    Only the jaxprs added are indexed, not those nested in their equations;
+    literals are skipped. Built on one jaxpr (``Uses(jaxpr)``), or on several
+    one after another (:meth:`add`: a variable read in two of them lists the
+    readers of the first, then of the second).
+
+    Attributes:
+        producer: variable -> the equation that defines it (with
+            ``positions=True``, its index in the jaxpr's equations).
+        users: variable -> the equations that read it, in order, once per
+            operand that reads it (with ``positions=True``, their indices).
+        outputs: the variables the jaxprs return.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> jaxpr = jax.make_jaxpr(lambda x: jnp.sin(x) * x)(1.0).jaxpr
+        >>> uses = Uses(jaxpr)
+        >>> [e.primitive.name for e in uses.users[jaxpr.invars[0]]]
+        ['sin', 'mul']
+        >>> uses.producer[jaxpr.outvars[0]].primitive.name, jaxpr.outvars[0] in uses.outputs
+        ('mul', True)
+        >>> Uses(jaxpr, positions=True).users[jaxpr.invars[0]]
+        [0, 1]
+    """
+
+    def __init__(self, jaxpr=None, *, positions: bool = False):
+        self.positions = positions
+        self.producer: dict = {}
+        self.users: dict = {}
+        self.outputs: set = set()
+        if jaxpr is not None:
+            self.add(jaxpr)
+
+    def add(self, jaxpr) -> None:
+        """Indexes the equations and outputs of ``jaxpr`` (open) too."""
+        for i, eqn in enumerate(jaxpr.eqns):
+            found = i if self.positions else eqn
+            for v in eqn.outvars:
+                self.producer[v] = found
+            for v in eqn.invars:
+                if not compat.is_literal(v):
+                    self.users.setdefault(v, []).append(found)
+        self.outputs.update(v for v in jaxpr.outvars if not compat.is_literal(v))
+
+
+def nested_producers(jaxpr) -> dict:
+    """``{variable: (eqn, enclosing equations)}`` for the results of every equation of
+    ``jaxpr``, nested ones included (:func:`walk`; a jaxpr walked twice keeps its last)."""
+    return {v: (eqn, enclosing) for eqn, _, enclosing in walk(jaxpr) for v in eqn.outvars}
+
+
+# --- Products -----------------------------------------------------------------------------------
+
+
+def eqn_flops(eqn) -> int:
+    """``2 *`` multiply-adds of one run of a ``dot_general`` or ``conv_general_dilated``
+    equation, as :func:`jaxmp.debug.matmul_flops` counts them.
+
+    A convolution's output element takes ``prod(kernel) / out_features``
+    multiply-adds.
+    """
+    lhs, rhs = (v.aval for v in eqn.invars[:2])
+    out = eqn.outvars[0].aval
+    if eqn.primitive.name == "dot_general":
+        (contracting, _), _ = compat.dimension_numbers(eqn)
+        return 2 * math.prod(out.shape) * math.prod(lhs.shape[i] for i in contracting)
+    out_features = rhs.shape[compat.dimension_numbers(eqn).rhs_spec[0]]
+    return 2 * math.prod(out.shape) * math.prod(rhs.shape) // max(out_features, 1)
+
+
+def dot_layout(a_ndim: int, b_ndim: int, dimension_numbers) -> tuple[list, list, list, list, list]:
+    """``(a_free, b_free, ct_batch, ct_a, ct_b)`` of ``dot_general(a, b)``: the free dimensions
+    of each operand, and where the product (and its cotangent) holds the batch dimensions,
+    ``a``'s free ones and ``b``'s."""
+    (ac, bc), (ab, bb) = dimension_numbers
+    a_free = [d for d in range(a_ndim) if d not in ac and d not in ab]
+    b_free = [d for d in range(b_ndim) if d not in bc and d not in bb]
+    nb = len(ab)
+    return (a_free, b_free, list(range(nb)), list(range(nb, nb + len(a_free))),
+            list(range(nb + len(a_free), nb + len(a_free) + len(b_free))))
+
+
+def dot_transposes(ct, a, b, dimension_numbers, product: Callable, *,
+                   ct_first: bool = False) -> tuple[Any, Any]:
+    """The two backward products of ``dot_general(a, b)`` for the cotangent ``ct``.
+
+    ``ct`` has the layout of the product: batch dimensions, then ``a``'s free
+    dimensions, then ``b``'s. ``product(x, y, dimension_numbers)`` computes
+    each (a ``dot_general`` in the dtype and precision the caller wants);
+    each is then transposed into the layout of the argument it
+    differentiates. ``b``'s gradient multiplies ``a`` by ``ct`` (``a`` on the
+    left keeps ``b``'s free dimensions last, as in the forward product), or
+    ``ct`` by ``a`` with ``ct_first`` (JAX's own rule).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> a, b, ct = jnp.ones((2, 3)), jnp.ones((3, 4)), jnp.ones((2, 4))
+        >>> dims = (((1,), (0,)), ((), ()))
+        >>> da, db = dot_transposes(ct, a, b, dims, jax.lax.dot_general)
+        >>> da.shape, db.shape
+        ((2, 3), (3, 4))
+    """
+    (ac, bc), (ab, bb) = dimension_numbers
+    a_free, b_free, ct_batch, ct_a, ct_b = dot_layout(a.ndim, b.ndim, dimension_numbers)
+    # d/da: contract ct's b-free dimensions with b's free dimensions. The result
+    # has a's batch, then a's free dimensions, then b's contracting ones in b's
+    # order, each standing for the contracting dimension of a it pairs with.
+    da = product(ct, b, ((ct_b, b_free), (ct_batch, list(bb))))
+    da_dims = list(ab) + a_free + [ac[i] for i in np.argsort(bc)]
+    da = lax.transpose(da, tuple(int(i) for i in np.argsort(da_dims)))
+    # d/db: the same with the roles exchanged.
+    if ct_first:
+        db = product(ct, a, ((ct_a, a_free), (ct_batch, list(ab))))
+        db_dims = list(bb) + b_free + [bc[i] for i in np.argsort(ac)]
+    else:
+        db = product(a, ct, ((a_free, ct_a), (list(ab), ct_batch)))
+        db_dims = list(bb) + [bc[i] for i in np.argsort(ac)] + b_free
+    db = lax.transpose(db, tuple(int(i) for i in np.argsort(db_dims)))
+    return da, db
+
+
+# --- The leaf partition -------------------------------------------------------------------------
+
+
+def over_arrays(fn: Callable, args: Sequence[Any], kwargs: dict,
+                is_dynamic: Callable[[Any], bool] = casting.is_array) -> tuple[Callable, PyTree]:
+    """``fn`` as a function of the array leaves of its arguments, to trace, lower or evaluate.
+
+    Args:
+        fn: any function.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        is_dynamic: which leaves of ``(args, kwargs)`` become inputs (default:
+            the arrays); every other leaf (a function, a static field,
+            ``None``) is closed over.
+
+    Returns:
+        ``(call, dynamic)``: ``dynamic`` is ``(args, kwargs)`` with ``None``
+        in place of the leaves closed over, and ``call(dynamic)`` runs ``fn``
+        on the arguments with their dynamic leaves taken from ``dynamic`` and
+        returns what it returns.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> call, dynamic = over_arrays(lambda x, n, scale: x * n * scale, (jnp.ones(2), 3),
+        ...                             {"scale": jnp.float32(2)})
+        >>> dynamic
+        ((Array([1., 1.], dtype=float32), None), {'scale': Array(2., dtype=float32)})
+        >>> len(jax.make_jaxpr(call)(dynamic).jaxpr.invars)
+        2
+    """
+    dynamic, static = casting.partition((args, kwargs), is_dynamic)
+
+    def call(dynamic):
+        call_args, call_kwargs = casting.combine(dynamic, static)
+        return fn(*call_args, **call_kwargs)
+
+    return call, dynamic
+
+
+def at_positions(args: Sequence[Any], positions: Sequence[int],
+                 is_chosen: Callable[[Any], bool] | None = None) -> tuple[tuple, Callable]:
+    """The chosen leaves of the arguments at ``positions``, and how to put them back.
+
+    Args:
+        args: positional arguments.
+        positions: the indices of those to split (the differentiated ones).
+        is_chosen: which of their leaves are chosen (default:
+            :func:`casting.is_float_array`, the leaves that are differentiated).
+
+    Returns:
+        ``(chosen, rebuild)``: ``chosen`` holds one tree per position, with
+        ``None`` in place of the leaves not chosen; ``rebuild(new_chosen)``
+        returns the full argument list with the chosen leaves replaced.
+    """
+    parts = [casting.partition(args[i], is_chosen) for i in positions]
+
+    def rebuild(new_chosen):
+        full = list(args)
+        for i, chosen, (_, rest) in zip(positions, new_chosen, parts):
+            full[i] = casting.combine(chosen, rest)
+        return full
+
+    return tuple(chosen for chosen, _ in parts), rebuild
