@@ -31,8 +31,9 @@ def _name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-# Every module of jaxmp/_src, subpackages' modules included, by dotted name ("autocast",
-# or "autocast" and "autocast.rules" were it a package); and which of them are packages.
+# Every module of jaxmp/_src, subpackages' modules included, by dotted name ("census";
+# "autocast" for the package autocast/ and "autocast.rules" for a file of it); and which
+# of them are packages.
 MODULES = sorted(n for n in map(_name, SRC.rglob("*.py")) if n)
 PACKAGES = frozenset(_name(p.parent / "__init__.py") for p in SRC.rglob("__init__.py")) - {""}
 
@@ -207,8 +208,8 @@ def test_the_helpers_see_the_imports_they_should():
 
 
 def test_the_helpers_read_a_package_by_its_modules():
-    # Were autocast a package (autocast/__init__.py, autocast/rules.py), its files would be
-    # modules of their own, with relative imports resolved from the package.
+    # A package's files (autocast/__init__.py, autocast/rules.py) are modules of their own,
+    # relative imports resolved from the package (a made-up text: jaxmp's own use absolute ones).
     modules, packages = {"autocast", "autocast.rules", "census", "compat"}, {"autocast"}
     text = ("from jaxmp._src.autocast import rules\n"
             "from .rules import _narrow\n"
@@ -310,10 +311,7 @@ def hand_built_indexes(text: str) -> list[str]:
     return sorted(set(found), key=lambda s: int(s.split(":")[0]))
 
 
-# autocast builds its own maps still: the lead switches it to jaxprs.Uses after it becomes a
-# package (issue 35); until then its files are left out here.
-@pytest.mark.parametrize("module", [m for m in MODULES if m != "jaxprs"
-                                    and m.split(".")[0] != "autocast"])
+@pytest.mark.parametrize("module", [m for m in MODULES if m != "jaxprs"])
 def test_one_use_def_index(module):
     found = hand_built_indexes(_path(module).read_text())
     assert not found, f"use jaxprs.Uses (or jaxprs.nested_producers) instead: {found}"

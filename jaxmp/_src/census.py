@@ -62,10 +62,6 @@ class MostlyFloat32Warning(UserWarning):
     """
 
 
-# autocast.py reads census.sub_jaxprs until it switches to jaxprs.py (issue 35).
-sub_jaxprs = jaxprs.sub_jaxprs
-
-
 # --- Which operands are differentiated --------------------------------------------------------
 
 # JAX's tracers of a value being differentiated (reverse mode traces with the linearize

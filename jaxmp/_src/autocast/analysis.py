@@ -21,8 +21,8 @@ and hands their results to the interpreter.
 
 from __future__ import annotations
 
-from jaxmp._src import census
 from jaxmp._src import compat
+from jaxmp._src import jaxprs
 from jaxmp._src.autocast import rules as rules_lib
 
 # Reductions: their results are statistics of a tensor (see ``interpreter.Autocast``).
@@ -48,7 +48,7 @@ def narrow_safe(closed, rules: rules_lib.AutocastRules) -> frozenset:
             outs_needed = [v in local for v in eqn.outvars]
             inner = compat.called_jaxpr(eqn, None)
             if name in compat.LOOPS_AND_BRANCHES:
-                for sub, _ in compat.sub_jaxprs(eqn):
+                for sub, _ in jaxprs.sub_jaxprs(eqn):
                     walk(sub, [True] * len(sub.outvars))
                 ins = [True] * len(eqn.invars)
             elif inner is not None and hasattr(getattr(inner, "jaxpr", inner), "eqns"):
@@ -71,17 +71,6 @@ def narrow_safe(closed, rules: rules_lib.AutocastRules) -> frozenset:
 
     walk(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
     return frozenset(needed)
-
-
-def _uses(jaxpr) -> tuple[dict, set]:
-    """``(users, outputs)`` of ``jaxpr``: the equations that read each variable, in order, and
-    the variables it returns."""
-    users: dict = {}
-    for e in jaxpr.eqns:
-        for v in e.invars:
-            if not compat.is_literal(v):
-                users.setdefault(v, []).append(e)
-    return users, {v for v in jaxpr.outvars if not compat.is_literal(v)}
 
 
 # Collectives that move a value between devices unchanged (no arithmetic).
@@ -108,7 +97,8 @@ def narrow_early(closed, rules: rules_lib.AutocastRules) -> frozenset:
     found: set = set()
 
     def walk(jaxpr):
-        users, outputs = _uses(jaxpr)
+        uses = jaxprs.Uses(jaxpr)
+        users, outputs = uses.users, uses.outputs
         memo: dict = {}
 
         def only_narrowed(v) -> bool:
@@ -123,7 +113,7 @@ def narrow_early(closed, rules: rules_lib.AutocastRules) -> frozenset:
         for e in jaxpr.eqns:
             if e.primitive.name in _MOVING and all(map(only_narrowed, e.outvars)):
                 found.update(e.outvars)
-            for inner, _ in census.sub_jaxprs(e):
+            for inner, _ in jaxprs.sub_jaxprs(e):
                 walk(inner)
 
     walk(closed.jaxpr)
@@ -156,8 +146,8 @@ def shifted_exps(closed, keep: frozenset) -> frozenset:
     found: set = set()
 
     def walk(jaxpr):
-        producer = {v: e for e in jaxpr.eqns for v in e.outvars}
-        users, outputs = _uses(jaxpr)
+        uses = jaxprs.Uses(jaxpr)
+        producer, users, outputs = uses.producer, uses.users, uses.outputs
 
         def strip(v):
             while not compat.is_literal(v) and v in producer:
@@ -189,7 +179,7 @@ def shifted_exps(closed, keep: frozenset) -> frozenset:
             return False
 
         for e in jaxpr.eqns:
-            for inner, _ in census.sub_jaxprs(e):
+            for inner, _ in jaxprs.sub_jaxprs(e):
                 walk(inner)
             if e.primitive.name != "exp" or compat.is_literal(e.invars[0]):
                 continue

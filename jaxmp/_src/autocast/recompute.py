@@ -23,6 +23,7 @@ import numpy as np
 from jaxmp._src import casting
 from jaxmp._src import compat
 from jaxmp._src import interpret
+from jaxmp._src import jaxprs
 from jaxmp._src.autocast import rules as rules_lib
 
 _COMMUNICATING = compat.COMMUNICATING  # saved for the backward pass, never recomputed
@@ -74,7 +75,8 @@ def _float32_regions(jaxpr) -> list[list[int]]:
     member = [eqn.primitive.name not in interpret.HANDLERS and wide_out(eqn)
               and not compat.is_higher_order(eqn, combiners=True)
               for eqn in jaxpr.eqns]
-    producer = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
+    uses = jaxprs.Uses(jaxpr, positions=True)
+    producer, users = uses.producer, uses.users
     parent = list(range(len(jaxpr.eqns)))
 
     def find(i):
@@ -94,11 +96,6 @@ def _float32_regions(jaxpr) -> list[list[int]]:
     for i in range(len(jaxpr.eqns)):
         if member[i]:
             groups.setdefault(find(i), []).append(i)
-    users: dict[Any, list[int]] = {}
-    for j, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.invars:
-            if not compat.is_literal(v):
-                users.setdefault(v, []).append(j)
 
     def runs_as_one(idx):  # no equation outside it reads its values before its last one
         inside, outs = set(idx), {v for i in idx for v in jaxpr.eqns[i].outvars}
