@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import pytest
 
 import jaxmp
-from jaxmp._src import diagnostics
 
 
 def _mlp_loss(params, x):
@@ -171,13 +170,6 @@ def test_operand_dtype_not_accumulation_dtype_is_counted():
         lambda a, b: jax.lax.dot(a, b, preferred_element_type=jnp.float32),
         jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 2), jnp.bfloat16))
     assert flops == {"bfloat16": 24}
-
-
-def test_mixed_operand_dtypes_are_counted_as_mixed():
-    line = ("%2 = stablehlo.dot_general %0, %1, contracting_dims = [1] x [0] : "
-            "(tensor<2x4xf16>, tensor<4x3xf32>) -> tensor<2x3xf32>")
-    assert diagnostics._op_flops(line) == ("mixed", 48)
-    assert diagnostics._op_flops("%3 = stablehlo.add %1, %2 : tensor<2xf32>") is None
 
 
 def test_half_share_of_a_mixed_training_step():

@@ -325,7 +325,7 @@ def loop_trips(eqn) -> int:
     A counted loop has a carry that starts at the literal 0, a condition that is
     that carry ``lt`` a literal, and a body that adds 1 to it (a ``fori_loop``
     with traced bounds does not; one with fixed bounds is a ``scan``). The FLOP
-    count of the lowered program (``diagnostics._loop_trips``) reads the same
+    count of the lowered program (``lowered_flops._loop_trips``) reads the same
     loops the same way.
     """
     loop = while_loop(eqn)

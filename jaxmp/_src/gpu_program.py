@@ -44,6 +44,7 @@ import re
 from typing import Any, Callable, Mapping, NamedTuple
 
 from jaxmp._src import hlo
+from jaxmp._src import lowered_flops
 from jaxmp._src import messages
 from jaxmp._src import source
 
@@ -254,11 +255,10 @@ class Product(NamedTuple):
         """The operand-dtype key of :func:`jaxmp.debug.matmul_flops` for the types as executed; a
         product without tensor cores counts as ``"float32"`` (``"float64"``), the arithmetic
         the loop emitter runs it in."""
-        from jaxmp._src import diagnostics  # pylint: disable=import-outside-toplevel
         if not self.tensor_cores:
             return "float64" if "f64" in self.operands else "float32"
         lhs, rhs = (_NUMPY_NAMES.get(d, d) for d in self.operands)
-        return diagnostics.product_key(lhs, rhs)
+        return lowered_flops.product_key(lhs, rhs)
 
 
 def _short(dtype: str) -> str:
@@ -682,8 +682,7 @@ class GpuProgram:
         """The float8 share of :attr:`requested_flops` (what jaxmp asked XLA for)."""
         if self.requested_flops is None:
             return None
-        from jaxmp._src import diagnostics  # pylint: disable=import-outside-toplevel
-        return diagnostics.float8_share(dict(self.requested_flops))
+        return lowered_flops.float8_share(dict(self.requested_flops))
 
     def kernel_seconds(self, kernel: Kernel, *, achieved_rate: float = ACHIEVED_RATE,
                        achieved_bandwidth: float = ACHIEVED_BANDWIDTH,
@@ -845,7 +844,7 @@ def gpu_program(fn: Callable, *args: Any, target: str | GpuTarget = "h100",
         [('Triton', 'bf16', 'bf16')]
     """
     import jax  # pylint: disable=import-outside-toplevel
-    from jaxmp._src import diagnostics  # pylint: disable=import-outside-toplevel
+    from jaxmp._src import jaxprs  # pylint: disable=import-outside-toplevel
     from jaxmp._src import host  # pylint: disable=import-outside-toplevel
 
     spec = get_target(target)
@@ -858,10 +857,10 @@ def gpu_program(fn: Callable, *args: Any, target: str | GpuTarget = "h100",
     with host.no_host_callbacks():  # host callbacks cannot be compiled for another platform
         if hasattr(fn, "trace") and hasattr(fn, "lower"):  # already jitted: keep its options
             dynamic = jax.tree_util.tree_map(
-                lambda x: placed(x) if diagnostics.is_dynamic(x) else x, (args, kwargs))
+                lambda x: placed(x) if jaxprs.is_dynamic(x) else x, (args, kwargs))
             lowered = fn.trace(*dynamic[0], **dynamic[1]).lower()
         else:
-            call, dynamic = diagnostics.array_function(fn, args, kwargs)
+            call, dynamic = jaxprs.array_function(fn, args, kwargs)
             lowered = jax.jit(call).trace(jax.tree_util.tree_map(placed, dynamic)).lower()
     stablehlo = lowered.as_text()
     key = (hashlib.sha256(stablehlo.encode()).hexdigest(), spec.config)
@@ -874,7 +873,7 @@ def gpu_program(fn: Callable, *args: Any, target: str | GpuTarget = "h100",
         program = GpuProgram.from_hlo(compiled.as_text(), spec,
                                       temp_bytes=getattr(memory, "temp_size_in_bytes", None))
         program = dataclasses.replace(program,
-                                      requested_flops=diagnostics.module_flops(stablehlo))
+                                      requested_flops=lowered_flops.module_flops(stablehlo))
         _COMPILED[key] = program
         while len(_COMPILED) > _COMPILED_SIZE:
             _COMPILED.popitem(last=False)

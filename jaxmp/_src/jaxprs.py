@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Iterator, Sequence
 
+import jax
 import numpy as np
 from jax import lax
 
@@ -259,3 +260,35 @@ def at_positions(args: Sequence[Any], positions: Sequence[int],
         return full
 
     return tuple(chosen for chosen, _ in parts), rebuild
+
+
+def is_dynamic(x: Any) -> bool:
+    """Whether the argument leaf ``x`` is traced (an array or a ``jax.ShapeDtypeStruct``) by the
+    measures of :mod:`jaxmp.debug` (:func:`jaxmp.debug.gpu_program` too); any other leaf is closed over."""
+    return casting.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def array_leaves(tree: PyTree) -> list:
+    """The array leaves of ``tree``: what a traced function may return.
+
+    A step's outputs may hold what is not a JAX type (an Equinox module
+    returned updated holds its activation function, a ``jax.custom_jvp``;
+    static fields; strings): the measures need only the arrays.
+    """
+    return [x for x in jax.tree_util.tree_leaves(tree) if casting.is_array(x)]
+
+
+def array_function(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, PyTree]:
+    """``fn`` as a function of the array leaves of its arguments, to trace or lower.
+
+    Args:
+        fn: any function; it may return any pytree.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+
+    Returns:
+        ``(call, dynamic)``: ``dynamic`` holds the leaves of ``(args, kwargs)``
+        that :func:`is_dynamic` accepts, and ``call(dynamic)`` runs ``fn`` with
+        the other leaves closed over and returns the array leaves of its result.
+    """
+    return over_arrays(lambda *a, **k: array_leaves(fn(*a, **k)), args, kwargs, is_dynamic)

@@ -22,9 +22,9 @@ import numpy as np
 from jaxmp._src import casting
 from jaxmp._src import census
 from jaxmp._src import compat
-from jaxmp._src import diagnostics
 from jaxmp._src import float8
 from jaxmp._src import jaxprs
+from jaxmp._src import lowered_flops
 from jaxmp._src import messages
 from jaxmp._src import shortfall
 from jaxmp._src import source
@@ -253,7 +253,7 @@ def _compiled_lines(program) -> list[str]:
     """What the GPU runs of the step, for :meth:`PrecisionReport.table`."""
     totals = program.matmul_flops()
     total = sum(totals.values())
-    half = diagnostics.low_precision_share(totals) - diagnostics.float8_share(totals)
+    half = lowered_flops.low_precision_share(totals) - lowered_flops.float8_share(totals)
     lines = [f"On {program.target.description}, as XLA compiles the step (the rows above are "
              f"the program before XLA): {_count(total)} matrix-product FLOPs, float8 on "
              f"tensor cores {messages.percent(program.float8_native_share)}, half precision "
@@ -302,15 +302,15 @@ def layer_path(name_stack: str) -> str:
 
 def _dtype_key(eqn) -> str:
     """The operand dtype key of a product, as :func:`jaxmp.debug.matmul_flops` names it."""
-    return diagnostics.product_key(*(np.dtype(v.aval.dtype).name for v in eqn.invars[:2]))
+    return lowered_flops.product_key(*(np.dtype(v.aval.dtype).name for v in eqn.invars[:2]))
 
 
 def _in_requested(key: str, compute: np.dtype | None, matmul: np.dtype | None) -> bool:
     if matmul is not None:
-        return diagnostics.is_float8_key(key)
+        return lowered_flops.is_float8_key(key)
     if compute is not None:
         return key == compute.name
-    return key in diagnostics.HALF_NAMES or diagnostics.is_float8_key(key)
+    return key in lowered_flops.HALF_NAMES or lowered_flops.is_float8_key(key)
 
 
 class _Program:
@@ -417,7 +417,7 @@ def _why(program: _Program, eqn, enclosing: tuple, name_stack: str, key: str,
     if casting.in_full_precision_scope(name_stack):
         return "forced"
     if matmul is not None and (key == compute.name if compute is not None
-                               else key in diagnostics.HALF_NAMES):
+                               else key in lowered_flops.HALF_NAMES):
         return "kept"
     # Autocast casts the operands of the products it runs in the compute dtype; one it runs as
     # written gets operands converted back to the program's dtypes, or none at all.
@@ -584,7 +584,7 @@ def precision_report(fn: Callable, *args: Any, compute_dtype: Any = None,
     if matmul_dtype is not None:
         matmul = float8.check_matmul_dtype(matmul_dtype, compute if compute is not None
                                            else np.dtype("float32"))
-    call, dynamic = diagnostics.array_function(fn, args, kwargs)
+    call, dynamic = jaxprs.array_function(fn, args, kwargs)
     report = _report(jax.make_jaxpr(call)(dynamic), compute, matmul)
     if target is None:
         return report

@@ -1,0 +1,43 @@
+"""Tests of jaxmp._src.lowered_flops: the products' FLOPs read from lowered StableHLO text."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxmp._src import lowered_flops
+
+_DOT = ("%2 = stablehlo.dot_general %0, %1, contracting_dims = [1] x [0] : "
+        "(tensor<2x4x{}>, tensor<4x3x{}>) -> tensor<2x3xf32>")
+
+
+def test_operand_dtypes_name_the_key():
+    assert lowered_flops.module_flops(_DOT.format("f16", "f16")) == {"float16": 48}
+    assert lowered_flops.module_flops(_DOT.format("f16", "f32")) == {"mixed": 48}
+    # Two float8 formats (e4m3 weights times an e5m2 cotangent) are one float8 product.
+    both = lowered_flops.module_flops(_DOT.format("f8E4M3FN", "f8E5M2"))
+    assert both == {"float8_e4m3fn+float8_e5m2": 48}
+    assert lowered_flops.is_float8_key(next(iter(both)))
+    assert not lowered_flops.is_float8_key("mixed")
+
+
+def test_only_products_count():
+    assert lowered_flops.module_flops("%3 = stablehlo.add %1, %2 : tensor<2xf32>") == {}
+
+
+def test_a_loop_body_counts_once_per_trip():
+    def f(w, x):
+        return jax.lax.fori_loop(0, 3, lambda i, c: c @ w, x)
+
+    w, x = jnp.ones((4, 4), jnp.bfloat16), jnp.ones((2, 4), jnp.bfloat16)
+    text = jax.jit(f).lower(w, x).as_text()
+    assert lowered_flops.module_flops(text) == {"bfloat16": 3 * 2 * 2 * 4 * 4}
+
+
+@pytest.mark.parametrize("totals, low, float8", [
+    ({}, 0.0, 0.0),
+    ({"float32": 30, "bfloat16": 50, "float8_e4m3fn": 20}, 0.7, 0.2),
+    ({"mixed": 10, "float8_e4m3fn+float8_e5m2": 30}, 0.75, 0.75),
+])
+def test_shares(totals, low, float8):
+    assert lowered_flops.low_precision_share(totals) == pytest.approx(low)
+    assert lowered_flops.float8_share(totals) == pytest.approx(float8)
