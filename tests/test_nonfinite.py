@@ -4,6 +4,7 @@ import importlib.util
 import inspect
 import os
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -650,3 +651,24 @@ def test_an_overflow_made_finite_but_wrong_is_still_found():
     overflows = [f for f in report.findings if f.kind == "overflow"]
     assert overflows and overflows[0].phase == "forward", str(report)
     assert "_normalised" in overflows[0].where and "test_nonfinite.py" in overflows[0].where
+
+
+def test_a_diagnosis_is_not_a_training_step_so_says_nothing_of_the_float32_share():
+    # A loss whose products stay float32 when only the inputs are cast: the training step says
+    # so (MostlyFloat32Warning), find_nonfinite runs the same step and does not.
+    w_out = jnp.ones((8, 64))  # most of the FLOPs
+
+    def loss(w, x):
+        return jnp.mean((x @ w).astype(jnp.float32) @ w_out)
+
+    w, x = jnp.ones((8, 8)), jnp.ones((2, 8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = jaxmp.debug.find_nonfinite(loss, autocast=False, compute_dtype=jnp.float16)(w, x)
+    assert not report.findings  # nothing overflows
+    assert not [c for c in caught if c.category is jaxmp.debug.MostlyFloat32Warning]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jaxmp.mp_value_and_grad(loss, compute_dtype=jnp.float16, autocast=False)(
+            w, x, scaler_state=jaxmp.init_scaler())
+    assert [c for c in caught if c.category is jaxmp.debug.MostlyFloat32Warning]

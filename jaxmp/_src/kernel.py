@@ -252,6 +252,21 @@ def warn_if_half_master_weights(diff: PyTree, state: loss_scale.ScalerState,
     )
 
 
+@dataclasses.dataclass
+class Learnt:
+    """What tracing a :class:`Step` learnt, for the rest of the step and for later traces.
+
+    Attributes:
+        counted: the cast-inputs path's products were counted by dtype (the
+            check runs on the first trace only, so it is said once).
+        float16_loss: the loss itself came out in float16 (its scale is then
+            capped, :data:`FLOAT16_LOSS_MAX_SCALE`).
+    """
+
+    counted: bool = False
+    float16_loss: bool = False
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
     """The validated options of one jaxmp gradient function.
@@ -271,10 +286,12 @@ class Step:
     axis_name: Any
     reduce_dtype: Any = None
     compute_dtype: Any = None
-    # What tracing learnt, for the rest of the step and for later traces:
-    # "census" once the cast-inputs path's products were counted (said once),
-    # "float16_loss" whether the loss itself came out in float16.
-    traced: dict = dataclasses.field(default_factory=dict, compare=False)
+    # Whether the cast-inputs path counts the loss's products by dtype on its first trace
+    # (MostlyFloat32Warning): a training step does, a diagnosis (find_nonfinite) does not.
+    census: bool = True
+    # What tracing learnt, for the rest of the step and for later traces; written by this
+    # class's methods only.
+    learnt: Learnt = dataclasses.field(default_factory=Learnt, compare=False)
 
     @classmethod
     def create(
@@ -292,8 +309,10 @@ class Step:
         reduce_dtype: Any = None,
         matmul_dtype: Any = None,
         float8_scaling: str = "tensor",
+        census: bool = True,
     ) -> "Step":
-        """Validates the options of ``api`` (e.g. ``"jaxmp.mp_value_and_grad"``)."""
+        """Validates the options of ``api`` (e.g. ``"jaxmp.mp_value_and_grad"``); ``census=False``
+        leaves out the trace-time count of the products by dtype (see :attr:`census`)."""
         if not callable(fn):
             raise TypeError(f"{api} expects a function, got {type(fn).__name__}.")
         nums = int_tuple(argnums, "argnums")
@@ -315,7 +334,7 @@ class Step:
         return cls(api=api, call=call, input_dtype=input_dtype, argnums=argnums, nums=nums,
                    no_cast_nums=no_cast, has_aux=has_aux,
                    use_mixed_precision=use_mixed_precision, axis_name=axis_name,
-                   reduce_dtype=reduce_dtype, compute_dtype=compute_dtype)
+                   reduce_dtype=reduce_dtype, compute_dtype=compute_dtype, census=census)
 
     @property
     def single_argnum(self) -> bool:
@@ -416,11 +435,11 @@ class Step:
             it = iter(cast)
             args = [a if i in keep else next(it) for i, a in enumerate(args)]
         call = self.call
-        if casting.is_half_dtype(self.input_dtype) and "census" not in self.traced:
+        if self.census and casting.is_half_dtype(self.input_dtype) and not self.learnt.counted:
             # On the first trace only: trace the loss to a jaxpr, count its
             # products by dtype, then evaluate that jaxpr (one trace of the
             # user's code, as without the check).
-            self.traced["census"] = True
+            self.learnt.counted = True
 
             def census_then_run(closed, arrays):
                 census.warn_if_mostly_float32(closed, self.input_dtype, self.api)
@@ -434,7 +453,7 @@ class Step:
             call = interpret.transform(self.call, census_then_run)
         loss, aux = split_aux(call(*args, **kwargs), self.has_aux)
         loss = check_loss(loss)
-        self.traced["float16_loss"] = loss.dtype == jnp.float16
+        self.learnt.float16_loss = loss.dtype == jnp.float16
         loss = loss.astype(jnp.float32)
         if not self.use_mixed_precision:
             return loss, (loss, aux)
@@ -466,7 +485,7 @@ class Step:
         finite = loss_scale.all_finite(grads, devices.axes or None)  # one verdict, every axis
         if self.use_mixed_precision:
             state = loss_scale.adjust(state, finite)
-            if self.traced.get("float16_loss") and state.max_scale > FLOAT16_LOSS_MAX_SCALE:
+            if self.learnt.float16_loss and state.max_scale > FLOAT16_LOSS_MAX_SCALE:
                 # The gradient of a float16 loss with respect to itself is the
                 # scale, in float16: from 2**16 on it is inf, and every step skips.
                 state = state.replace(scale=jnp.minimum(state.scale, FLOAT16_LOSS_MAX_SCALE))
