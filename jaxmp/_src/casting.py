@@ -36,8 +36,9 @@ def is_float_dtype(dtype: Any) -> bool:
         return False
 
 
-def is_half_dtype(dtype: Any) -> bool:
-    """Whether ``dtype`` is a floating-point dtype narrower than float32 (float16, bfloat16)."""
+def is_narrow_dtype(dtype: Any) -> bool:
+    """Whether ``dtype`` is a floating-point dtype narrower than float32: float16, bfloat16 or a
+    float8 format (named "narrow", not "half": float8 is a quarter of float32)."""
     return is_float_dtype(dtype) and np.dtype(dtype).itemsize < 4
 
 
@@ -53,7 +54,7 @@ def widen_half(tree: Any) -> Any:
     Every other leaf (float32, integers, keys, non-arrays) is returned as it is.
     """
     def leaf(x):
-        if is_float_array(x) and is_half_dtype(x.dtype):
+        if is_float_array(x) and is_narrow_dtype(x.dtype):
             return x.astype(wide_dtype(x.dtype))
         return x
 

@@ -163,14 +163,14 @@ def warn_if_mostly_float32(closed_jaxpr, compute_dtype: Any, api: str) -> bool:
     by the user's file and line, with its operand dtypes, and the fix. Said
     once per such product (:func:`messages.warn_once`).
     """
-    if not casting.is_half_dtype(compute_dtype):
+    if not casting.is_narrow_dtype(compute_dtype):
         return False
     total = half = 0
     first = None
     for eqn, flops, enclosing in census(closed_jaxpr.jaxpr):
         dtypes = [np.dtype(v.aval.dtype) for v in eqn.invars[:2]]
         total += flops
-        if all(casting.is_half_dtype(d) for d in dtypes):
+        if all(casting.is_narrow_dtype(d) for d in dtypes):
             half += flops
         elif first is None:
             first = (eqn, enclosing, dtypes)

@@ -234,7 +234,7 @@ def warn_if_half_master_weights(diff: PyTree, state: loss_scale.ScalerState,
         return
     leaves = jax.tree_util.tree_leaves_with_path(diff)
     half = [(path, x) for path, x in leaves
-            if casting.is_float_array(x) and casting.is_half_dtype(x.dtype)]
+            if casting.is_float_array(x) and casting.is_narrow_dtype(x.dtype)]
     if not half:
         return
     path, x = half[0]
@@ -435,7 +435,7 @@ class Step:
             it = iter(cast)
             args = [a if i in keep else next(it) for i, a in enumerate(args)]
         call = self.call
-        if self.census and casting.is_half_dtype(self.input_dtype) and not self.learnt.counted:
+        if self.census and casting.is_narrow_dtype(self.input_dtype) and not self.learnt.counted:
             # On the first trace only: trace the loss to a jaxpr, count its
             # products by dtype, then evaluate that jaxpr (one trace of the
             # user's code, as without the check).

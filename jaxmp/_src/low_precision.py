@@ -132,7 +132,7 @@ def _narrow(tree: PyTree, dtype: np.dtype) -> PyTree:
 
 
 def _is_half(x: Any) -> bool:
-    return casting.is_float_array(x) and casting.is_half_dtype(x.dtype)
+    return casting.is_float_array(x) and casting.is_narrow_dtype(x.dtype)
 
 
 # ---------------------------------------------------------------------------

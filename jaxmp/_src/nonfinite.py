@@ -247,7 +247,7 @@ def _shadow_of(eqn, halves: list, shadows: list, outs: list) -> list:
     params = compat.params_for_bind(eqn)
     widened = False
     for key, dtype in compat.dtype_params(eqn, _DTYPE_PARAMS).items():
-        if casting.is_half_dtype(dtype):
+        if casting.is_narrow_dtype(dtype):
             params[key] = casting.wide_dtype(dtype)
             widened = True
     if not widened and all(h is s for h, s in zip(halves, shadows)):
@@ -283,7 +283,7 @@ def _suspicious(h, s) -> Any:
     """Traced: whether the result ``h`` (shadow ``s``) needs the host's look (``_stats``): a
     non-finite element, or one flushed to zero in half precision where the shadow is not."""
     bad = jnp.any(~jnp.isfinite(h))
-    if casting.is_half_dtype(h.dtype):
+    if casting.is_narrow_dtype(h.dtype):
         s = s.astype(jnp.float32)
         tiny = float(jnp.finfo(h.dtype).smallest_subnormal)
         bad = bad | jnp.any((h == 0) & (s != 0) & (jnp.abs(s) < tiny))
@@ -697,7 +697,7 @@ def _stats(in_h: list, in_s: list, h: np.ndarray, s: np.ndarray) -> tuple:
     h, s = _f32(h), _f32(s)
     nonfinite = int((~np.isfinite(h)).sum())
     underflow = 0
-    if casting.is_half_dtype(half_dtype):
+    if casting.is_narrow_dtype(half_dtype):
         tiny = float(jnp.finfo(half_dtype).smallest_subnormal)
         underflow = int(((h == 0) & (s != 0) & (np.abs(s) < tiny)).sum())
     if not nonfinite and not underflow:  # most results: the inputs need no look
@@ -1053,7 +1053,7 @@ def find_nonfinite(
         census=False)
     half = casting.canonical_float_dtype(compute_dtype, allowed=casting.COMPUTE_DTYPES,
                                          what="compute_dtype")
-    if not casting.is_half_dtype(half):
+    if not casting.is_narrow_dtype(half):
         raise ValueError("find_nonfinite compares half precision with float32: compute_dtype "
                          f"must be float16 or bfloat16, got {half.name}.")
     if mapped is not None and not callable(mapped):

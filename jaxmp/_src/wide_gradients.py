@@ -87,7 +87,7 @@ class _WideGradients(interpret.Interpreter):
         self.wide, self.manual = wide, manual
 
     def first_order(self, eqn, invals):
-        half = [v.aval.dtype for v in eqn.invars if casting.is_half_dtype(v.aval.dtype)]
+        half = [v.aval.dtype for v in eqn.invars if casting.is_narrow_dtype(v.aval.dtype)]
         name = eqn.primitive.name
         if name == "dot_general" and not self.manual and len(half) == 2 and half[0] == half[1]:
             return [_wide_gradient_dot(eqn, self.wide)(*invals)]

@@ -244,7 +244,7 @@ def autocast(
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if overrides:
         rules = dataclasses.replace(rules, **overrides)
-    recompute = recompute_float32 and casting.is_half_dtype(compute_dtype)
+    recompute = recompute_float32 and casting.is_narrow_dtype(compute_dtype)
 
     def run_autocast(closed, dyn):
         if matmul_dtype is not None:  # says, once, which products cannot run in float8

@@ -141,13 +141,13 @@ def _with_narrowing_tail(jaxpr, idx: list[int], users: dict) -> list[int]:
             if j in members or len(eqn.outvars) != 1:
                 continue
             out = eqn.outvars[0].aval
-            if not casting.is_half_dtype(getattr(out, "dtype", None)):
+            if not casting.is_narrow_dtype(getattr(out, "dtype", None)):
                 continue
             if eqn.primitive.name == "convert_element_type":
                 ok = np.dtype(v.aval.dtype).itemsize >= 4
             elif eqn.primitive.name in _TAIL_OPS:
                 ours = [u for u in eqn.invars if not compat.is_literal(u) and u in chain]
-                ok = (len(ours) == 1 and casting.is_half_dtype(v.aval.dtype)
+                ok = (len(ours) == 1 and casting.is_narrow_dtype(v.aval.dtype)
                       and v.aval.shape == out.shape
                       and all(compat.is_literal(u) or u in chain
                               or u.aval.size < out.size for u in eqn.invars))
