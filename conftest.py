@@ -20,6 +20,10 @@ jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
+# The fixtures that several test files share (tests/helpers.py).
+pytest_plugins = ["tests.helpers"]
+
+
 def _long_tests() -> frozenset:
     """The node ids listed in tests/long_tests.txt (one per line after its seconds)."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "long_tests.txt")
@@ -35,3 +39,4 @@ def pytest_itemcollected(item):
     # Before -m selects: a long test is a slow one (run by `pytest -m slow`).
     if item.nodeid in _LONG_TESTS:
         item.add_marker("slow")
+
