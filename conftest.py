@@ -6,6 +6,8 @@ import time of the test session.
 
 import os
 
+import pytest
+
 # The suite runs on CPU devices. With JAX's CUDA plugin installed (pip install -e
 # ".[gpu-compile]", for the gpu_program tests) and no GPU, the plugin registers its
 # platform for deviceless compilation only under JAX_PLATFORMS=cpu.
@@ -40,3 +42,19 @@ def pytest_itemcollected(item):
     if item.nodeid in _LONG_TESTS:
         item.add_marker("slow")
 
+
+def pytest_collection_modifyitems(config, items):
+    # Each docstring example runs once. tests/test_docstrings.py runs the examples of every
+    # public name in a fresh interpreter, as a user pastes them (an empty namespace, JAX's default
+    # configuration), which also catches an example that leans on its module's namespace; so
+    # --doctest-modules leaves those out here and runs the rest (private modules' examples, and
+    # the module docstrings), in this process, where they share its compiled programs.
+    from tests import helpers  # pylint: disable=g-import-not-at-top
+
+    covered = {docstring for _, docstring in helpers.public_examples()}
+    run_elsewhere = [item for item in items
+                     if isinstance(item, pytest.DoctestItem) and item.dtest.docstring in covered]
+    if run_elsewhere:
+        config.hook.pytest_deselected(items=run_elsewhere)
+        left_out = set(map(id, run_elsewhere))
+        items[:] = [item for item in items if id(item) not in left_out]
