@@ -5,6 +5,7 @@ import time of the test session.
 """
 
 import os
+import re
 
 import pytest
 
@@ -41,6 +42,20 @@ def pytest_itemcollected(item):
     # Before -m selects: a long test is a slow one (run by `pytest -m slow`).
     if item.nodeid in _LONG_TESTS:
         item.add_marker("slow")
+
+
+def pytest_configure(config):
+    # The default run compiles without XLA:CPU's LLVM optimisations, as the quick benchmarks
+    # and several tests already do: compiling is most of its time, and unoptimised code
+    # compiles in about half of it. The programs (the optimised HLO: the dtypes, op names and
+    # collectives that tests read) are the same; the code that runs them is less optimised, and
+    # rounds float16 and bfloat16 transcendentals a little differently, within every tolerance.
+    # The slow and gpu_program runs keep XLA's default, as does an XLA_FLAGS that sets a level.
+    markexpr, flags = config.getoption("markexpr") or "", os.environ.get("XLA_FLAGS", "")
+    default_run = ("not slow" in markexpr and "not gpu_program" in markexpr
+                   and not re.search(r"(?<!not )\b(slow|gpu_program)\b", markexpr))
+    if default_run and "xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
 
 
 def pytest_collection_modifyitems(config, items):
