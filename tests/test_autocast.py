@@ -10,6 +10,7 @@ import pytest
 from jax.extend import core as jex_core
 
 import jaxmp
+from tests.helpers import mlp_loss
 from jaxmp._src import jaxprs
 from benchmarks.models import DESKTOP_VIT, TINY_VIT, init_vit, vit_loss
 
@@ -235,15 +236,6 @@ def test_invalid_arguments():
 # --- Gradients against float32 -----------------------------------------------------------
 
 
-def _mlp_loss(params, x, y):
-    h = x
-    for layer in params[:-1]:
-        h = jax.nn.gelu(h @ layer["w"] + layer["b"])
-    logits = h @ params[-1]["w"] + params[-1]["b"]
-    logp = jax.nn.log_softmax(logits)
-    return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=-1))
-
-
 def _mlp_params(key, sizes):
     keys = jax.random.split(key, len(sizes) - 1)
     return [{"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.full((b,), 0.1)}
@@ -255,8 +247,8 @@ def test_mlp_gradients_match_float32(dtype, tol):
     params = _mlp_params(jax.random.key(0), [16, 32, 32, 10])
     x = jax.random.normal(jax.random.key(1), (8, 16))
     y = jnp.arange(8, dtype=jnp.int32)
-    loss, grads = jax.jit(jax.value_and_grad(jaxmp.autocast(_mlp_loss, dtype)))(params, x, y)
-    ref, ref_grads = jax.jit(jax.value_and_grad(_mlp_loss))(params, x, y)
+    loss, grads = jax.jit(jax.value_and_grad(jaxmp.autocast(mlp_loss, dtype)))(params, x, y)
+    ref, ref_grads = jax.jit(jax.value_and_grad(mlp_loss))(params, x, y)
     assert loss.dtype == jnp.float32
     np.testing.assert_allclose(loss, ref, rtol=tol)
     for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads)):
@@ -282,8 +274,9 @@ def test_recomputation_does_not_change_values():
     params = _mlp_params(jax.random.key(0), [16, 32, 10])
     x = jax.random.normal(jax.random.key(1), (8, 16))
     y = jnp.arange(8, dtype=jnp.int32)
-    a = jax.jit(jax.value_and_grad(jaxmp.autocast(_mlp_loss, F16)))(params, x, y)
-    b = jax.jit(jax.value_and_grad(jaxmp.autocast(_mlp_loss, F16, recompute_float32=False)))(params, x, y)
+    a = jax.jit(jax.value_and_grad(jaxmp.autocast(mlp_loss, F16)))(params, x, y)
+    b = jax.jit(jax.value_and_grad(jaxmp.autocast(mlp_loss, F16, recompute_float32=False)))(
+        params, x, y)
     _assert_close(a, b, rtol=1e-6)
 
 
@@ -291,9 +284,9 @@ def test_float32_compute_dtype_is_float32_throughout():
     params = _mlp_params(jax.random.key(0), [16, 32, 10])
     x = jax.random.normal(jax.random.key(1), (8, 16))
     y = jnp.arange(8, dtype=jnp.int32)
-    f = jaxmp.autocast(_mlp_loss, jnp.float32)
+    f = jaxmp.autocast(mlp_loss, jnp.float32)
     assert {d for _, d in _dtypes_of(f, params, x, y)} <= {"float32", "int32", "bool"}
-    _assert_close(jax.jit(jax.grad(f))(params, x, y), jax.jit(jax.grad(_mlp_loss))(params, x, y),
+    _assert_close(jax.jit(jax.grad(f))(params, x, y), jax.jit(jax.grad(mlp_loss))(params, x, y),
                   rtol=1e-5, atol=1e-7)
 
 
@@ -451,9 +444,9 @@ def test_mp_value_and_grad_with_autocast():
     x = 50.0 * jax.random.normal(jax.random.key(1), (8, 16))
     y = jnp.arange(8, dtype=jnp.int32)
     state = jaxmp.init_scaler(initial_scale=2.0**10)
-    step = jax.jit(jaxmp.mp_value_and_grad(_mlp_loss, autocast=True, compute_dtype=jnp.float16))
+    step = jax.jit(jaxmp.mp_value_and_grad(mlp_loss, autocast=True, compute_dtype=jnp.float16))
     loss, grads, new_state, finite = step(params, x, y, scaler_state=state)
-    ref, ref_grads = jax.value_and_grad(_mlp_loss)(params, x, y)
+    ref, ref_grads = jax.value_and_grad(mlp_loss)(params, x, y)
     assert bool(finite) and int(new_state.steps_since_overflow) == 1
     np.testing.assert_allclose(loss, ref, rtol=1e-2)
     for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads)):

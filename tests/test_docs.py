@@ -3,10 +3,12 @@
 Each page's blocks run in order, as one script, in a fresh namespace. A page
 whose text says it continues another page (most continue the training step of
 docs/getting_started.md) runs after that page's blocks, as a reader would run
-them. The pages run in this process: conftest.py gives it the 4 CPU devices
-that docs/multi_device.md needs.
+them (from a copy of that page's namespace, which runs once per process). The
+pages run in this process: conftest.py gives it the 4 CPU devices that
+docs/multi_device.md needs.
 """
 
+import functools
 import pathlib
 import re
 
@@ -51,13 +53,24 @@ def _blocks(path):
     return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
 
 
-def _run(paths):
-    namespace = {}
+def _run(paths, namespace=None):
+    namespace = {} if namespace is None else namespace
     for path in paths:
         for index, block in enumerate(_blocks(path)):
             name = f"{path.relative_to(ROOT)}[python block {index}]"
             exec(compile(block, name, "exec"), namespace)
     return namespace
+
+
+@functools.cache
+def _continued(pages):
+    """The namespace of ``pages`` run in order, once per process.
+
+    Most pages continue docs/getting_started.md: each starts from a copy of its namespace (its
+    names stay the page's own) instead of running it again, and so calls the training step
+    that it compiled once.
+    """
+    return _run([DOCS / p for p in pages])
 
 
 # Pages whose Python blocks are not a program: the API index's signatures (tests/test_api.py
@@ -94,7 +107,7 @@ def test_page_python_blocks_run_in_order(page):
     prerequisites = PAGES[page]
     for earlier in prerequisites:  # the page says which page it continues
         assert f"]({earlier}" in (DOCS / page).read_text(), (page, earlier)
-    namespace = _run([DOCS / p for p in [*prerequisites, page]])
+    namespace = _run([DOCS / page], dict(_continued(tuple(prerequisites))))
     if "params" in namespace:  # float32 master weights, but where the page keeps none
         expected = "bfloat16" if page in BFLOAT16_PARAMS else "float32"
         assert namespace["params"]["w1"].dtype == expected

@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxmp
+from tests.helpers import matmul, mlp_loss, rel
 from jaxmp._src import float8
 from jaxmp._src import jaxprs
 
@@ -24,20 +25,11 @@ def _operand_dtypes(fn, *args, prim="dot_general"):
             if eqn.primitive.name == prim]
 
 
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 def _operands(magnitude, seed=0, shape=(32, 128), out=64):
     kw, kx = jax.random.split(jax.random.key(seed))
     w = jax.random.normal(kw, (shape[1], out)) / np.sqrt(shape[1])
     x = magnitude * jax.random.normal(kx, shape)
     return w, x
-
-
-def _matmul(w, x):
-    return x @ w
 
 
 def _f8(fn, compute_dtype=BF16, **kw):
@@ -68,8 +60,8 @@ def test_relative_error_is_the_same_at_every_magnitude():
     errors = {}
     for magnitude in (1e4, 1.0, 1e-5):
         w, x = _operands(magnitude)
-        out = _f8(_matmul, jnp.float32)(w, x)
-        errors[magnitude] = _rel(out, _matmul(w, x))
+        out = _f8(matmul, jnp.float32)(w, x)
+        errors[magnitude] = rel(out, matmul(w, x))
     # e4m3 keeps 3 mantissa bits: a few percent, and the same at every magnitude.
     assert max(errors.values()) < 0.05, errors
     assert max(errors.values()) < 1.3 * min(errors.values()), errors
@@ -89,21 +81,21 @@ def test_gradients_are_accurate_at_every_magnitude(magnitude):
     w, x = _operands(magnitude)
 
     def loss(w, x):
-        return jnp.sum(jnp.tanh(_matmul(w, x) / magnitude) * jnp.arange(64.0) / 64)
+        return jnp.sum(jnp.tanh(matmul(w, x) / magnitude) * jnp.arange(64.0) / 64)
 
     ref = jax.grad(loss, argnums=(0, 1))(w, x)
     got = jax.grad(_f8(loss, jnp.float32), argnums=(0, 1))(w, x)
     for g, r in zip(got, ref):
         assert g.dtype == r.dtype
-        assert _rel(g, r) < 0.1  # e5m2 cotangents: 2 mantissa bits
+        assert rel(g, r) < 0.1  # e5m2 cotangents: 2 mantissa bits
 
 
 def test_nonfinite_operands_and_cotangents_stay_nonfinite():
     w, x = _operands(1.0)
-    out = _f8(_matmul)(w, x.at[0, 0].set(jnp.inf))
+    out = _f8(matmul)(w, x.at[0, 0].set(jnp.inf))
     assert not np.isfinite(np.asarray(out[0], np.float32)).any()
     assert np.isfinite(np.asarray(out[1:], np.float32)).all()
-    _, vjp = jax.vjp(_f8(_matmul), w, x)
+    _, vjp = jax.vjp(_f8(matmul), w, x)
     ct = jnp.ones((32, 64)).at[3, 4].set(jnp.inf)
     dw, dx = vjp(ct)
     assert not np.isfinite(dw).all() and not np.isfinite(dx).all()  # the scaler sees it
@@ -111,7 +103,7 @@ def test_nonfinite_operands_and_cotangents_stay_nonfinite():
 
 def test_zero_operand_gives_zero_product():
     w, x = _operands(1.0)
-    out = _f8(_matmul)(w, jnp.zeros_like(x))
+    out = _f8(matmul)(w, jnp.zeros_like(x))
     assert not np.any(np.asarray(out, np.float32))
 
 
@@ -120,11 +112,11 @@ def test_zero_operand_gives_zero_product():
 
 def test_jaxpr_has_float8_operands_forward_and_e5m2_cotangents_backward():
     w, x = _operands(1.0)
-    fwd = _operand_dtypes(_f8(_matmul), w, x)
+    fwd = _operand_dtypes(_f8(matmul), w, x)
     assert fwd == [("float8_e4m3fn", "float8_e4m3fn")]
 
     def loss(w, x):
-        return jnp.sum(_matmul(w, x) ** 2)
+        return jnp.sum(matmul(w, x) ** 2)
 
     both = _operand_dtypes(jax.grad(_f8(loss), argnums=(0, 1)), w, x)
     assert ("float8_e4m3fn", "float8_e4m3fn") in both
@@ -137,10 +129,10 @@ def test_result_is_in_compute_dtype_and_outputs_keep_their_dtypes():
     w, x = _operands(1.0)
 
     def two(w, x):
-        h = _matmul(w, x)
+        h = matmul(w, x)
         return h, jnp.sum(h)
 
-    inner = jax.make_jaxpr(_f8(lambda w, x: jnp.tanh(_matmul(w, x))))(w, x)
+    inner = jax.make_jaxpr(_f8(lambda w, x: jnp.tanh(matmul(w, x))))(w, x)
     assert "bf16[32,64] = custom_vjp_call" in str(inner)  # the product, in bfloat16
     h, s = _f8(two)(w, x)
     assert h.dtype == jnp.float32 and s.dtype == jnp.float32
@@ -159,7 +151,7 @@ def test_products_write_the_compute_dtype_and_are_unscaled_by_one_scalar(compute
     by one scalar: the pattern XLA turns into one float8 GEMM that applies the scale and
     writes that dtype. A float32 weight still gets a float32 gradient."""
     w, x = _operands(1.0)
-    loss = _f8(lambda w, x: jnp.sum(_matmul(w, x).astype(jnp.float32) ** 2), compute)
+    loss = _f8(lambda w, x: jnp.sum(matmul(w, x).astype(jnp.float32) ** 2), compute)
     grad = jax.grad(loss, argnums=(0, 1))
     eqns = _dot_eqns(grad, w, x)
     assert len(eqns) == 3
@@ -177,10 +169,10 @@ def test_amax_reductions_and_scalars_per_product():
     then the rest) and each product's scalars one optimization barrier: the forward product
     quantizes two operands, the backward products one cotangent."""
     w, x = _operands(1.0)
-    loss = _f8(lambda w, x: jnp.sum(_matmul(w, x).astype(jnp.float32) ** 2))
+    loss = _f8(lambda w, x: jnp.sum(matmul(w, x).astype(jnp.float32) ** 2))
     names = lambda fn: [e.primitive.name for e, _, _ in jaxprs.walk(
         jax.make_jaxpr(fn)(w, x).jaxpr)]
-    fwd = names(_f8(_matmul))
+    fwd = names(_f8(matmul))
     assert fwd.count("reduce_max") == 4 and fwd.count("optimization_barrier") == 1
     both = names(jax.grad(loss, argnums=(0, 1)))
     # the model's own loss has no reduce_max; the backward quantizes the cotangent once
@@ -194,15 +186,15 @@ def test_operands_whose_amaxes_multiply_below_float32_range_keep_their_product()
     float32) matches float32's."""
     w, x = _operands(1e-17)
     w = w * 1e-17
-    out = _f8(_matmul, jnp.float32)(w, x)
+    out = _f8(matmul, jnp.float32)(w, x)
     ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     assert np.all(np.isfinite(out)) and np.all(np.abs(ref) < 1e-30)
-    assert _rel(out, ref) < 0.05
+    assert rel(out, ref) < 0.05
 
 
 def test_matmul_flops_count_float8_products():
     w, x = _operands(1.0)
-    loss = _f8(lambda w, x: jnp.sum(_matmul(w, x) ** 2))
+    loss = _f8(lambda w, x: jnp.sum(matmul(w, x) ** 2))
     fwd = jaxmp.debug.matmul_flops(loss, w, x)
     assert fwd == {"float8_e4m3fn": 2 * 32 * 128 * 64}
     both = jaxmp.debug.matmul_flops(jax.grad(loss, argnums=(0, 1)), w, x)
@@ -210,7 +202,7 @@ def test_matmul_flops_count_float8_products():
                     "float8_e4m3fn+float8_e5m2": 2 * 2 * 32 * 128 * 64}
     assert jaxmp.debug.half_matmul_flop_share(jax.grad(loss), w, x) == 1.0
     assert jaxmp.debug.float8_matmul_flop_share(jax.grad(loss), w, x) == 1.0
-    plain = jaxmp.autocast(lambda w, x: jnp.sum(_matmul(w, x) ** 2), BF16)
+    plain = jaxmp.autocast(lambda w, x: jnp.sum(matmul(w, x) ** 2), BF16)
     assert jaxmp.debug.float8_matmul_flop_share(jax.grad(plain), w, x) == 0.0
     assert jaxmp.debug.half_matmul_flop_share(jax.grad(plain), w, x) == 1.0
 
@@ -224,75 +216,73 @@ def _mlp_params(seed=0, sizes=(32, 128, 128, 10)):
             for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
 
 
-def _mlp_loss(params, x, y):
-    for layer in params[:-1]:
-        x = jax.nn.gelu(x @ layer["w"] + layer["b"])
-    logits = x @ params[-1]["w"] + params[-1]["b"]
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=-1))
-
-
 def _mlp_batch(n=64, seed=1):
     kx, ky = jax.random.split(jax.random.key(seed))
     return jax.random.normal(kx, (n, 32)), jax.random.randint(ky, (n,), 0, 10)
 
 
-def test_tiny_mlp_gradients_close_to_float32():
+@pytest.fixture(scope="module")
+def mlp_reference():
+    """The tiny MLP, its batch and its float32 loss and gradients, computed once per module."""
     params, (x, y) = _mlp_params(), _mlp_batch()
-    ref_loss, ref = jax.value_and_grad(_mlp_loss)(params, x, y)
-    loss, got = jax.jit(jax.value_and_grad(_f8(_mlp_loss)))(params, x, y)
+    ref_loss, ref = jax.value_and_grad(mlp_loss)(params, x, y)
+    return params, x, y, ref_loss, ref
+
+
+def test_tiny_mlp_gradients_close_to_float32(mlp_reference):
+    params, x, y, ref_loss, ref = mlp_reference
+    loss, got = jax.jit(jax.value_and_grad(_f8(mlp_loss)))(params, x, y)
     np.testing.assert_allclose(loss, ref_loss, rtol=0.02)
     for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
         assert g.dtype == jnp.float32
-        assert _rel(g, r) < 0.15
+        assert rel(g, r) < 0.15
     # bfloat16 autocast for scale: float8 is within a few times its error.
-    bf16 = jax.jit(jax.grad(jaxmp.autocast(_mlp_loss, BF16)))(params, x, y)
-    assert _rel(jax.tree_util.tree_leaves(bf16)[1], jax.tree_util.tree_leaves(ref)[1]) < 0.02
+    bf16 = jax.jit(jax.grad(jaxmp.autocast(mlp_loss, BF16)))(params, x, y)
+    assert rel(jax.tree_util.tree_leaves(bf16)[1], jax.tree_util.tree_leaves(ref)[1]) < 0.02
 
 
-def test_mp_value_and_grad_and_accumulate_reach_float8():
-    params, (x, y) = _mlp_params(), _mlp_batch()
-    ref_loss, ref = jax.value_and_grad(_mlp_loss)(params, x, y)
+def test_mp_value_and_grad_and_accumulate_reach_float8(mlp_reference):
+    params, x, y, ref_loss, ref = mlp_reference
     opts = dict(compute_dtype=BF16, autocast=True, matmul_dtype=E4M3)
-    step = jaxmp.mp_value_and_grad(_mlp_loss, **opts)
-    acc = jaxmp.accumulate_value_and_grad(_mlp_loss, 4, **opts)
+    step = jaxmp.mp_value_and_grad(mlp_loss, **opts)
+    acc = jaxmp.accumulate_value_and_grad(mlp_loss, 4, **opts)
     for fn in (step, acc):
         state = jaxmp.noop_scaler()
         loss, grads, _, finite = jax.jit(fn)(params, x, y, scaler_state=state)
         assert bool(finite)
         np.testing.assert_allclose(loss, ref_loss, rtol=0.02)
         for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref)):
-            assert _rel(g, r) < 0.15
+            assert rel(g, r) < 0.15
         dtypes = _operand_dtypes(functools.partial(fn, scaler_state=state), params, x, y)
         assert dtypes and all(d[0].startswith("float8") and d[1].startswith("float8")
                               for d in dtypes)
         assert any("float8_e5m2" in d for d in dtypes)
 
 
-def test_float16_with_loss_scaling():
-    params, (x, y) = _mlp_params(), _mlp_batch()
-    ref_loss, ref = jax.value_and_grad(_mlp_loss)(params, x, y)
-    step = jaxmp.mp_value_and_grad(_mlp_loss, compute_dtype=jnp.float16, autocast=True,
+def test_float16_with_loss_scaling(mlp_reference):
+    params, x, y, ref_loss, ref = mlp_reference
+    step = jaxmp.mp_value_and_grad(mlp_loss, compute_dtype=jnp.float16, autocast=True,
                                    matmul_dtype=E4M3)
     loss, grads, _, finite = jax.jit(step)(params, x, y, scaler_state=jaxmp.init_scaler())
     assert bool(finite)
     np.testing.assert_allclose(loss, ref_loss, rtol=0.02)
-    assert _rel(grads[0]["w"], ref[0]["w"]) < 0.12
+    assert rel(grads[0]["w"], ref[0]["w"]) < 0.12
 
 
 def test_float8_products_written_in_fn_are_kept_by_an_outer_autocast():
     # E.g. a loss already under autocast(matmul_dtype=...) given to
     # mp_value_and_grad(autocast=True): the outer autocast must not widen it.
     w, x = _operands(1.0)
-    loss = _f8(lambda w, x: jnp.sum(_matmul(w, x) ** 2),
+    loss = _f8(lambda w, x: jnp.sum(matmul(w, x) ** 2),
                float8_rules=jaxmp.experimental.Float8Rules(min_flops=1))
     outer = jaxmp.autocast(loss, BF16)
     assert _operand_dtypes(outer, w, x) == [("float8_e4m3fn", "float8_e4m3fn")]
     assert any("float8_e5m2" in d for d in _operand_dtypes(jax.grad(outer), w, x))
     step = jaxmp.mp_value_and_grad(loss, compute_dtype=BF16, autocast=True)
     value, grads, _, _ = step(w, x, scaler_state=jaxmp.noop_scaler())
-    ref_value, ref = jax.value_and_grad(lambda w, x: jnp.sum(_matmul(w, x) ** 2))(w, x)
+    ref_value, ref = jax.value_and_grad(lambda w, x: jnp.sum(matmul(w, x) ** 2))(w, x)
     np.testing.assert_allclose(value, ref_value, rtol=0.05)
-    assert _rel(grads, ref) < 0.1
+    assert rel(grads, ref) < 0.1
 
 
 # --- Control flow and transformations ---------------------------------------------------------------
@@ -303,7 +293,7 @@ def _check(fn, args, rtol=0.06, argnums=0):
     np.testing.assert_allclose(_f8(fn, jnp.float32)(*args), fn(*args), rtol=rtol)
     got = jax.grad(_f8(fn, jnp.float32), argnums=argnums)(*args)
     ref = jax.grad(fn, argnums=argnums)(*args)
-    assert _rel(got, ref) < 0.1
+    assert rel(got, ref) < 0.1
     dtypes = _operand_dtypes(jax.grad(_f8(fn), argnums=argnums), *args)
     assert dtypes and all(d[0].startswith("float8") for d in dtypes), dtypes
     assert any("float8_e5m2" in d for d in dtypes)
@@ -322,7 +312,7 @@ def test_scan():
 
 def test_checkpoint():
     w, x = _operands(1.0)
-    fn = lambda w, x: jnp.sum(jax.checkpoint(lambda w: jnp.tanh(_matmul(w, x)))(w) ** 2)
+    fn = lambda w, x: jnp.sum(jax.checkpoint(lambda w: jnp.tanh(matmul(w, x)))(w) ** 2)
     _check(fn, (w, x))
 
 
@@ -343,22 +333,22 @@ def test_custom_vjp_keeps_its_rule_and_runs_float8_inside():
 
     double_grad.defvjp(lambda h: (h, None), lambda _, g: (2 * g,))
     w, x = _operands(1.0)
-    fn = lambda w, x: jnp.sum(double_grad(jnp.tanh(_matmul(w, x))) ** 2)
+    fn = lambda w, x: jnp.sum(double_grad(jnp.tanh(matmul(w, x))) ** 2)
     np.testing.assert_allclose(_f8(fn, jnp.float32)(w, x), fn(w, x), rtol=0.05)
     got, ref = jax.grad(_f8(fn, jnp.float32))(w, x), jax.grad(fn)(w, x)
-    assert _rel(got, ref) < 0.1  # the factor 2 of the rule is kept
+    assert rel(got, ref) < 0.1  # the factor 2 of the rule is kept
     assert ("float8_e4m3fn", "float8_e4m3fn") in _operand_dtypes(_f8(fn), w, x)
 
 
 def test_vmap():
     w, x = _operands(1.0)
     xs = jnp.stack([x, 1e-4 * x])  # very different magnitudes per example
-    fn = lambda w, x: jnp.sum(_matmul(w, x) ** 2)
+    fn = lambda w, x: jnp.sum(matmul(w, x) ** 2)
     got = jax.vmap(_f8(fn, jnp.float32), in_axes=(None, 0))(w, xs)
     np.testing.assert_allclose(got, jax.vmap(fn, in_axes=(None, 0))(w, xs), rtol=0.05)
     g = jax.vmap(jax.grad(_f8(fn, jnp.float32)), in_axes=(None, 0))(w, xs)
     r = jax.vmap(jax.grad(fn), in_axes=(None, 0))(w, xs)
-    assert _rel(g, r) < 0.1
+    assert rel(g, r) < 0.1
 
 
 def test_shard_map():
@@ -366,7 +356,7 @@ def test_shard_map():
         pytest.skip("needs 2 devices")
     mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     w, x = _operands(1.0)
-    fn = lambda w, x: jnp.sum(jnp.tanh(_matmul(w, x)) ** 2)
+    fn = lambda w, x: jnp.sum(jnp.tanh(matmul(w, x)) ** 2)
 
     def body(w, x):
         loss, g = jax.value_and_grad(_f8(fn, jnp.float32))(w, x)
@@ -377,7 +367,7 @@ def test_shard_map():
     loss, g = run(w, jax.device_put(x, NamedSharding(mesh, P("data"))))
     ref_loss, ref = jax.value_and_grad(fn)(w, x)
     np.testing.assert_allclose(loss, ref_loss, rtol=0.05)
-    assert _rel(g, ref) < 0.1
+    assert rel(g, ref) < 0.1
 
 
 def test_convolution_forward_in_float8():
@@ -394,7 +384,7 @@ def test_convolution_forward_in_float8():
         ("float8_e4m3fn", "float8_e4m3fn")]
     np.testing.assert_allclose(jax.jit(_f8(fn, jnp.float32))(w, x), fn(w, x), rtol=0.05)
     got, ref = jax.jit(jax.grad(_f8(fn, jnp.float32)))(w, x), jax.grad(fn)(w, x)
-    assert _rel(got, ref) < 0.1
+    assert rel(got, ref) < 0.1
     no_conv = jaxmp.experimental.Float8Rules(primitives={"dot_general"})
     assert _operand_dtypes(_f8(fn, float8_rules=no_conv), w, x, prim="conv_general_dilated") == [
         ("bfloat16", "bfloat16")]
@@ -483,7 +473,7 @@ def test_convolution_products_run_where_xla_runs_them_in_float8(name):
     _, vjp = jax.vjp(lambda x: conv(x, deq(w8, sw)), x)
     (want,) = vjp(deq(c8, sc))
     np.testing.assert_allclose(got_dx, want, rtol=1e-5, atol=1e-5 * float(jnp.max(abs(want))))
-    assert _rel(got_dx, ref_dx) < 0.1  # ... and near float32's own gradient
+    assert rel(got_dx, ref_dx) < 0.1  # ... and near float32's own gradient
 
 
 def test_convolution_float8_products_say_what_xla_runs():
@@ -519,7 +509,7 @@ def test_convolution_backward_under_vmap_and_half_compute():
     got = jax.jit(per_example)(w, xs)
     assert got.dtype == w.dtype
     ref = jax.vmap(jax.grad(fn), in_axes=(None, 0))(w, xs)
-    assert _rel(got, ref) < 0.15
+    assert rel(got, ref) < 0.15
 
 
 # --- Rules: which products stay in compute_dtype ---------------------------------------------------
@@ -577,7 +567,7 @@ def test_predicate_sees_the_product():
 def test_find_nonfinite_with_float8_products():
     params, (x, y) = _mlp_params(sizes=(32, 10)), _mlp_batch(16)  # eager: keep it small
     opts = dict(autocast=True, matmul_dtype=E4M3)
-    report = jaxmp.debug.find_nonfinite(_mlp_loss, **opts)(params, x, y)
+    report = jaxmp.debug.find_nonfinite(mlp_loss, **opts)(params, x, y)
     assert not report and not report.findings  # float8 rounding is not reported as a problem
 
 
@@ -606,18 +596,18 @@ def test_find_nonfinite_names_the_line_of_an_overflowing_float8_product():
 
 def test_bad_matmul_dtype():
     with pytest.raises(ValueError, match="set compute_dtype=float16"):
-        jaxmp.autocast(_matmul, BF16, matmul_dtype=jnp.float16)
+        jaxmp.autocast(matmul, BF16, matmul_dtype=jnp.float16)
     with pytest.raises(ValueError, match="float8_e4m3fn.*got int8"):
-        jaxmp.autocast(_matmul, BF16, matmul_dtype=jnp.int8)
+        jaxmp.autocast(matmul, BF16, matmul_dtype=jnp.int8)
     with pytest.raises(ValueError, match="fnuz"):
-        jaxmp.autocast(_matmul, BF16, matmul_dtype=jnp.float8_e4m3fnuz)
+        jaxmp.autocast(matmul, BF16, matmul_dtype=jnp.float8_e4m3fnuz)
     with pytest.raises(ValueError, match="must be a dtype"):
-        jaxmp.autocast(_matmul, BF16, matmul_dtype="fp8")
+        jaxmp.autocast(matmul, BF16, matmul_dtype="fp8")
     with pytest.raises(ValueError, match="needs autocast=True"):
-        jaxmp.mp_value_and_grad(_mlp_loss, compute_dtype=BF16, matmul_dtype=E4M3, autocast=False)
+        jaxmp.mp_value_and_grad(mlp_loss, compute_dtype=BF16, matmul_dtype=E4M3, autocast=False)
     # The compute dtype itself means: no float8.
     w, x = _operands(1.0)
-    assert _operand_dtypes(jaxmp.autocast(_matmul, BF16, matmul_dtype=BF16), w, x) == [
+    assert _operand_dtypes(jaxmp.autocast(matmul, BF16, matmul_dtype=BF16), w, x) == [
         ("bfloat16", "bfloat16")]
 
 
@@ -631,7 +621,7 @@ def test_bad_float8_rules():
     with pytest.raises(TypeError, match="keep_if"):
         jaxmp.experimental.Float8Rules(keep_if="head")
     with pytest.raises(TypeError, match="float8_rules must be"):
-        jaxmp.autocast(_matmul, BF16, matmul_dtype=E4M3, float8_rules={"min_flops": 1})
+        jaxmp.autocast(matmul, BF16, matmul_dtype=E4M3, float8_rules={"min_flops": 1})
 
 
 def test_rules_repr():

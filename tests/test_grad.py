@@ -39,11 +39,18 @@ def _assert_tree_close(a, b, rtol, atol=0.0):
         np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=rtol, atol=atol), a, b)
 
 
-@pytest.mark.parametrize("dtype", HALF)
-def test_matches_float32_reference(dtype):
+@pytest.fixture(scope="module")
+def mlp_reference():
+    """The MLP, its batch and its float32 loss and gradients, computed once per module."""
     params = _mlp_params(jax.random.key(0))
     x, y = _data(jax.random.key(1))
     ref_loss, ref_grads = jax.value_and_grad(_mlp_loss)(params, x, y)
+    return params, x, y, ref_loss, ref_grads
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_matches_float32_reference(dtype, mlp_reference):
+    params, x, y, ref_loss, ref_grads = mlp_reference
     state = jaxmp.init_scaler(initial_scale=2.0**10)
     loss, grads, new_state, finite = jax.jit(
         jaxmp.mp_value_and_grad(_mlp_loss, compute_dtype=dtype))(params, x, y, scaler_state=state)
@@ -72,12 +79,10 @@ def test_inputs_are_cast_to_compute_dtype_but_ints_are_not():
     assert seen["y"] == jnp.int32 and jnp.issubdtype(seen["key"], jax.dtypes.prng_key)
 
 
-def test_regression_unscale_uses_the_scale_of_the_backward_pass():
+def test_regression_unscale_uses_the_scale_of_the_backward_pass(mlp_reference):
     # MPX divided by the *updated* scale: on a step where the scale grows the
     # gradients came out halved.
-    params = _mlp_params(jax.random.key(0))
-    x, y = _data(jax.random.key(1))
-    ref_loss, ref_grads = jax.value_and_grad(_mlp_loss)(params, x, y)
+    params, x, y, ref_loss, ref_grads = mlp_reference
     state = jaxmp.init_scaler(initial_scale=256.0, growth_interval=1)
     loss, grads, new_state, finite = jaxmp.mp_value_and_grad(_mlp_loss, autocast=False,
                                                              compute_dtype=jnp.float16)(

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jaxmp
+from tests.helpers import matmul_loss
 
 WRAPPERS = {
     "jaxmp.mp_value_and_grad": lambda fn, **kw: jaxmp.mp_value_and_grad(fn, **kw),
@@ -15,16 +16,12 @@ WRAPPERS = {
 }
 
 
-def _loss(w, x):
-    return jnp.mean((x @ w) ** 2)
-
-
 W, X = jnp.linspace(-1.0, 1.0, 3), jnp.linspace(-2.0, 2.0, 12).reshape(4, 3)
 
 
 @pytest.mark.parametrize("api", sorted(WRAPPERS))
 def test_missing_scaler_state_names_the_wrapper_and_how_to_make_one(api):
-    fn = WRAPPERS[api](_loss)
+    fn = WRAPPERS[api](matmul_loss)
     with pytest.raises(TypeError, match=f"The function returned by {api} needs the keyword "
                                         r"argument scaler_state=.*"
                                         r"jaxmp.scaler_for\(compute_dtype\)"):
@@ -35,14 +32,14 @@ def test_missing_scaler_state_names_the_wrapper_and_how_to_make_one(api):
 def test_bool_argnums_is_rejected_by_every_wrapper(api):
     with pytest.raises(TypeError, match="argnums must be an int or a non-empty sequence of ints, "
                                         "got True"):
-        WRAPPERS[api](_loss, argnums=True)
+        WRAPPERS[api](matmul_loss, argnums=True)
 
 
 @pytest.mark.parametrize("api", sorted(WRAPPERS))
 def test_no_cast_argnums_cannot_overlap_argnums(api):
     with pytest.raises(ValueError, match=r"Arguments \[0\] are in both argnums and "
                                          "no_cast_argnums"):
-        WRAPPERS[api](_loss, no_cast_argnums=(0,))
+        WRAPPERS[api](matmul_loss, no_cast_argnums=(0,))
 
 
 def _stateful_loss(w, stats, x):
@@ -108,6 +105,6 @@ def test_accumulate_passes_a_single_key_to_every_microbatch(make_key):
 def test_accumulate_error_for_a_non_batch_argument_says_to_use_batch_argnums():
     with pytest.raises(ValueError, match=r"argument 2 has shape \(3,\).*leave it out of "
                                          "batch_argnums"):
-        jaxmp.accumulate_value_and_grad(lambda w, x, c: _loss(w * c, x), 2,
+        jaxmp.accumulate_value_and_grad(lambda w, x, c: matmul_loss(w * c, x), 2,
                                         compute_dtype=jnp.float16)(
             W, X, jnp.ones(3), scaler_state=jaxmp.init_scaler())

@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxmp
+from tests.helpers import assert_bitwise
 from jaxmp._src import low_precision
 
 BF16, F16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
@@ -28,14 +29,6 @@ def _grads(params, step=0):
     return jax.tree_util.tree_map(
         lambda p: jax.random.normal(jax.random.fold_in(key, p.size), p.shape).astype(p.dtype),
         params)
-
-
-def _assert_bitwise(a, b):
-    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        np.testing.assert_array_equal(np.atleast_1d(np.asarray(x)).view(np.uint8),
-                                      np.atleast_1d(np.asarray(y)).view(np.uint8))
 
 
 def _apply(params, updates):
@@ -146,7 +139,7 @@ def test_inner_update_runs_in_float32_on_narrowed_state():
             lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
             if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim else x, ref_state)
         # float32 parameters pass through: the inner update itself, bit for bit.
-        _assert_bitwise(updates, ref_updates)
+        assert_bitwise(updates, ref_updates)
         params = _apply(params, updates)
     # And the moments differ from unrounded float32 Adam's (the narrowing is real).
     mu = state.inner[0].mu["w"].astype(jnp.float32)
@@ -160,7 +153,7 @@ def test_float32_state_dtype_leaves_the_state_as_it_is():
     updates, state = tx.update(_grads(params), tx.init(params), params)
     ref_updates, ref_state = _standard(optax.adam(1e-2).update, _grads(params),
                                        _standard(optax.adam(1e-2).init, params), params)
-    _assert_bitwise((updates, state.inner), (ref_updates, ref_state))
+    assert_bitwise((updates, state.inner), (ref_updates, ref_state))
 
 
 # --- Parameter rounding: exact updates ----------------------------------------------------------
@@ -192,12 +185,12 @@ def _check_applied_exactly(tx, params, grads, state):
     applied, updates = jax.jit(by_hand)(params, state, grads)
     for new, p, d in zip(*(jax.tree_util.tree_leaves(t) for t in (applied, params, updates))):
         assert d.dtype == F32 and new.dtype == p.dtype
-        _assert_bitwise(new.astype(jnp.float32) - p.astype(jnp.float32), d)
+        assert_bitwise(new.astype(jnp.float32) - p.astype(jnp.float32), d)
     via_jaxmp, _ = jax.jit(lambda p, s, g: jaxmp.optimizer_update(p, tx, s, g, TRUE))(
         params, state, grads)
-    _assert_bitwise(via_jaxmp, applied)
+    assert_bitwise(via_jaxmp, applied)
     eager, _ = jaxmp.optimizer_update(params, tx, state, grads, TRUE)
-    _assert_bitwise(eager, _apply(params, tx.update(grads, state, params)[0]))
+    assert_bitwise(eager, _apply(params, tx.update(grads, state, params)[0]))
     return eager
 
 
@@ -208,7 +201,7 @@ def test_nearest_is_round_to_nearest_of_the_float32_sum_bitwise(dtype, lr):
     tx = jaxmp.experimental.low_precision_optimizer(optax.sgd(lr), param_rounding="nearest")
     state = tx.init(params)
     expected = jax.tree_util.tree_map(lambda t: t.astype(dtype), _wide_sum(params, u32))
-    _assert_bitwise(_check_applied_exactly(tx, params, grads, state), expected)
+    assert_bitwise(_check_applied_exactly(tx, params, grads, state), expected)
     if lr == 1e-4:  # small updates are lost: the stall the other roundings fix
         assert np.mean(np.asarray(expected["b"]) == np.asarray(params["b"])) > 0.5
 
@@ -251,7 +244,7 @@ def test_kahan_keeps_exactly_what_rounding_lost(dtype, lr):
     applied = _check_applied_exactly(tx, params, grads, state)
     # The first step has no compensation yet: the parameter is the nearest value ...
     expected = jax.tree_util.tree_map(lambda t: t.astype(dtype), _wide_sum(params, u32))
-    _assert_bitwise(applied, expected)
+    assert_bitwise(applied, expected)
     # ... and the buffer holds what that rounding lost (rounded to the buffer's dtype).
     _, new_state = tx.update(grads, state, params)
     for new, c, t in zip(jax.tree_util.tree_leaves(applied),
@@ -267,7 +260,7 @@ def test_kahan_keeps_exactly_what_rounding_lost(dtype, lr):
     expected2 = jax.tree_util.tree_map(
         lambda p, u, c: (p.astype(jnp.float32) + (u + c.astype(jnp.float32))).astype(dtype),
         params2, u32, new_state.compensation)
-    _assert_bitwise(_apply(params2, u2), expected2)
+    assert_bitwise(_apply(params2, u2), expected2)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -280,9 +273,9 @@ def test_updates_reach_any_rounded_value_exactly_even_across_zero(dtype):
     rounded = (p.astype(jnp.float32) + step).astype(dtype)
     assert np.mean(np.sign(np.asarray(rounded, np.float32)) != np.sign(np.asarray(p, np.float32))) > 0.2
     d, new = jax.jit(low_precision._exact_update)(p, rounded)
-    _assert_bitwise(new, rounded)
-    _assert_bitwise(_apply(p, d), rounded)
-    _assert_bitwise(jax.jit(_apply)(p, d), rounded)
+    assert_bitwise(new, rounded)
+    assert_bitwise(_apply(p, d), rounded)
+    assert_bitwise(jax.jit(_apply)(p, d), rounded)
     # In the parameters' own dtype the same steps could not be written exactly.
     d_half = (rounded.astype(jnp.float32) - p.astype(jnp.float32)).astype(dtype)
     assert np.mean(np.asarray(_apply(p, d_half) != rounded)) > 0.01
@@ -344,7 +337,7 @@ def test_representable_values_stay_exact(dtype):
     out = low_precision.stochastic_round(t, dtype, bits)
     # The expected values tiled by NumPy: XLA:CPU in jax 0.8 flushes bfloat16 subnormals
     # when it tiles them.
-    _assert_bitwise(out, np.tile(np.asarray(exact), 1000))
+    assert_bitwise(out, np.tile(np.asarray(exact), 1000))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -465,13 +458,13 @@ def test_a_skipped_step_changes_nothing(rounding):
     skip = jax.jit(lambda p, s, g, f: jaxmp.optimizer_update(p, tx, s, g, f, return_applied=True))
     new_params, new_state, applied = skip(params, state, grads, FALSE)
     assert not bool(applied)
-    _assert_bitwise((new_params, new_state), (params, state))
+    assert_bitwise((new_params, new_state), (params, state))
     # Finite gradients claimed, NaN given: bfloat16 parameters are checked, so the step
     # is skipped (the message is said from the step only for float16 values).
     nan_grads = jax.tree_util.tree_map(lambda g: g.at[0].set(jnp.nan), grads)
     new_params, new_state, applied = skip(params, state, nan_grads, TRUE)
     assert not bool(applied)
-    _assert_bitwise((new_params, new_state), (params, state))
+    assert_bitwise((new_params, new_state), (params, state))
     # The same step applied does change the parameters and the state it keeps.
     applied_params, applied_state, applied = skip(params, state, grads, TRUE)
     assert bool(applied)
@@ -500,13 +493,13 @@ def test_scan_equals_a_loop_of_jitted_steps(rounding):
     jstep = jax.jit(step)
     for i in range(6):
         carry, _ = jstep(carry, grads[i])
-    _assert_bitwise(scanned, carry[0])
+    assert_bitwise(scanned, carry[0])
     # MultiSteps' first mini-step returns zero updates: the parameters do not move ...
-    _assert_bitwise(jax.tree_util.tree_map(lambda v: v[0], history), params)
+    assert_bitwise(jax.tree_util.tree_map(lambda v: v[0], history), params)
     # ... and the second applies the window's update.
     assert not np.array_equal(history["b"][1], params["b"])
     if rounding != "kahan":  # (Kahan adds its compensation back on every step)
-        _assert_bitwise(jax.tree_util.tree_map(lambda v: v[2], history),
+        assert_bitwise(jax.tree_util.tree_map(lambda v: v[2], history),
                         jax.tree_util.tree_map(lambda v: v[1], history))
 
 
@@ -569,7 +562,7 @@ def test_jit_sharding_gives_the_unsharded_result_bitwise(mesh, rounding):
     sharded = step(shard(params), tx.init(shard(params)), shard(grads))
     assert len(sharded[0]["w"].sharding.device_set) == NUM
     assert sharded[0]["w"].sharding.spec == P("data")
-    _assert_bitwise(jax.device_get(sharded), jax.device_get(single))
+    assert_bitwise(jax.device_get(sharded), jax.device_get(single))
     if rounding == "stochastic":  # each shard rounded differently (the rows are alike)
         rows = np.asarray(sharded[0]["w"], np.float32)
         assert len({rows[i * 8:(i + 1) * 8].tobytes() for i in range(NUM)}) == NUM
@@ -603,7 +596,7 @@ def test_shard_map_data_parallel_equals_unsharded(mesh):
             # The gradients are reduced in a different order: allow one spacing on a few.
             diff = np.asarray(a, np.float32) != np.asarray(b, np.float32)
             assert diff.mean() < 0.05
-        _assert_bitwise(replica, jax.tree_util.tree_map(lambda v: v[0], per_device))
+        assert_bitwise(replica, jax.tree_util.tree_map(lambda v: v[0], per_device))
 
 
 def test_shard_map_sharded_parameters_get_their_own_bits(mesh):
@@ -647,7 +640,7 @@ def test_orbax_restart_is_bit_identical(tmp_path, rounding):
     step = jax.jit(lambda p, s, g: jaxmp.optimizer_update(p, tx, s, g, TRUE))
     for i in range(3, 6):
         params, state = step(params, state, _grads(params, i))
-    _assert_bitwise((params, state), uninterrupted)
+    assert_bitwise((params, state), uninterrupted)
 
 
 # --- Errors --------------------------------------------------------------------------------------

@@ -21,19 +21,12 @@ from flax import nnx
 from flax.training import train_state
 
 import jaxmp
+from tests.helpers import assert_bitwise
 from jaxmp._src import kernel
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 STEPS = 6
 LR = 1e-2
-
-
-def _assert_bitwise(a, b):
-    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-        x, y = np.atleast_1d(np.asarray(x)), np.atleast_1d(np.asarray(y))
-        assert x.dtype == y.dtype and x.shape == y.shape
-        np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
 
 
 def _dtypes(tree):
@@ -137,7 +130,7 @@ def test_haiku_batchnorm_state_keeps_the_dtype_it_was_initialised_in(init_dtype)
     bad = batch.at[0, 0, 0, 0].set(jnp.nan)
     with jax.numpy_dtype_promotion("standard"):
         after = step(params, state, opt_state, scaler, bad, y)
-    _assert_bitwise(after[:3], (params, state, opt_state))
+    assert_bitwise(after[:3], (params, state, opt_state))
 
 
 def test_haiku_state_cast_by_the_user_comes_back_in_its_dtype():
@@ -277,7 +270,7 @@ def test_equinox_noise_drawn_in_the_loss_trains_bfloat16_parameters():
     bad = x.at[0, 0, 0, 0].set(jnp.inf)
     after, after_state, _, _, finite = step(model, opt_state, scaler, bad, jax.random.key(9))
     assert not bool(finite)
-    _assert_bitwise(eqx.filter((after, after_state), eqx.is_array),
+    assert_bitwise(eqx.filter((after, after_state), eqx.is_array),
                     eqx.filter((model, opt_state), eqx.is_array))
 
 
@@ -362,7 +355,7 @@ def test_linen_train_state_created_with_the_cast_parameters():
     _near(losses[-1], ref_losses[-1])
 
     skipped, _, _ = step(state, scaler, x.at[0, 0].set(jnp.nan), y)
-    _assert_bitwise(skipped, state)
+    assert_bitwise(skipped, state)
 
 
 def test_linen_train_state_created_on_float32_parameters():
@@ -373,7 +366,7 @@ def test_linen_train_state_created_on_float32_parameters():
     for rounding in ("nearest", "stochastic"):
         tx = jaxmp.experimental.low_precision_optimizer(optax.adam(LR), param_rounding=rounding)
         state = train_state.TrainState.create(apply_fn=model.apply, params=params32, tx=tx)
-        _assert_bitwise(state.opt_state, tx.init(params16))
+        assert_bitwise(state.opt_state, tx.init(params16))
     tx = jaxmp.experimental.low_precision_optimizer(optax.adam(LR), param_rounding="kahan")
     state = train_state.TrainState.create(apply_fn=model.apply, params=params32, tx=tx)
     state = state.replace(params=params16)
@@ -442,7 +435,7 @@ def test_nnx_optimizer_with_low_precision_optimizer():
 
     before = jax.tree_util.tree_map(jnp.array, nnx.state((model, optimizer)))
     step(model, optimizer, scaler, x.at[0, 0].set(jnp.nan), y)
-    _assert_bitwise(nnx.state((model, optimizer)), before)
+    assert_bitwise(nnx.state((model, optimizer)), before)
 
 
 # optax.MultiSteps and gradient accumulation: the bytes per parameter. --------------------------
@@ -498,7 +491,7 @@ def test_multisteps_inside_low_precision_optimizer_trains_and_skips():
 
     start = params
     params, opt_state, first = step(params, opt_state, x[:4], y[:4])
-    _assert_bitwise(params, start)  # a micro-step: accumulated, not applied
+    assert_bitwise(params, start)  # a micro-step: accumulated, not applied
     params, opt_state, _ = step(params, opt_state, x[4:], y[4:])
     assert not all(bool(jnp.all(a == b)) for a, b in zip(jax.tree_util.tree_leaves(params),
                                                           jax.tree_util.tree_leaves(start)))
@@ -514,4 +507,4 @@ def test_multisteps_inside_low_precision_optimizer_trains_and_skips():
     assert float(loss) < float(first)
     _near(loss, ref_loss)
     after = step(params, opt_state, x[:4].at[0, 0].set(jnp.nan), y[:4])
-    _assert_bitwise(after[:2], (params, opt_state))
+    assert_bitwise(after[:2], (params, opt_state))

@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxmp
+from tests.helpers import matmul, rel
 from jaxmp._src import float8
 from jaxmp._src import jaxprs
 
@@ -73,15 +74,6 @@ def _mx_fn(fn, compute_dtype=F32, **kw):
                                   **kw))
 
 
-def _matmul(w, x):
-    return x @ w
-
-
-def _rel(a, b, axis=None):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b, axis=axis) / np.linalg.norm(b, axis=axis)
-
-
 # --- The quantizer and the forward product -----------------------------------------------------
 
 
@@ -131,14 +123,14 @@ def test_forward_products_match_the_reference():
 def test_outlier_rows_cost_the_other_rows_nothing():
     w, x = _rows((64, 32), 3), _rows((32, 64), 4, outliers=(0, 5))
     exact = x.astype(np.float64) @ w
-    errors = {scaling: _rel(jax.jit(jaxmp.autocast(_matmul, F32, matmul_dtype=E4M3,
+    errors = {scaling: rel(jax.jit(jaxmp.autocast(matmul, F32, matmul_dtype=E4M3,
                                                    float8_scaling=scaling))(w, x), exact, axis=1)
               for scaling in ("tensor", "mxfp8")}
     assert errors["mxfp8"].max() < 0.1  # every row keeps e4m3's precision
     assert errors["tensor"].max() > 0.5  # one scale for all: the small rows flush to zero
 
 
-def _mx_vjp(fn=_matmul, compute_dtype=F32):
+def _mx_vjp(fn=matmul, compute_dtype=F32):
     """``(args, ct) -> (fn(*args), its vjp of ct)`` under autocast with mxfp8, jitted."""
     f = jaxmp.autocast(fn, compute_dtype, matmul_dtype=E4M3, float8_scaling="mxfp8")
 
@@ -162,7 +154,7 @@ def test_blocks_within_one_dimension_are_quantized_where_the_operand_lies():
     _close(out.reshape(64, 96), _mx(x2) @ _mx(w, 0), np.abs(x2) @ np.abs(w))
     _close(dx.reshape(64, 64), _mx(ct2, 1) @ _mx(w, 1).T, np.abs(ct2) @ np.abs(w).T)
     _close(dw, _mx(x2, 0).T @ _mx(ct2, 0), np.abs(x2).T @ np.abs(ct2))
-    f = jaxmp.autocast(_matmul, F32, matmul_dtype=E4M3, float8_scaling="mxfp8")
+    f = jaxmp.autocast(matmul, F32, matmul_dtype=E4M3, float8_scaling="mxfp8")
     jaxpr = jax.make_jaxpr(lambda w, x, ct: jax.vjp(f, w, x)[1](ct))(w, x, ct).jaxpr
     eqns = [e for e, _, _ in jaxprs.walk(jaxpr)]
     made_by = {v: e for e in eqns for v in e.outvars}
@@ -221,26 +213,26 @@ def test_gradients_are_within_ten_percent_of_float32():
     w, x = _rows((64, 32), 15) / 8, _rows((32, 64), 16)
 
     def loss(w, x):
-        return jnp.sum(jnp.tanh(_matmul(w, x)) * jnp.linspace(-1.0, 1.0, 32))
+        return jnp.sum(jnp.tanh(matmul(w, x)) * jnp.linspace(-1.0, 1.0, 32))
 
     ref = jax.jit(jax.grad(loss, argnums=(0, 1)))(w, x)
     got = jax.grad(_mx_fn(loss, jnp.bfloat16), argnums=(0, 1))(w, x)
     for g, r in zip(got, ref):
         assert g.dtype == r.dtype == F32
-        assert _rel(g, r) < 0.1
+        assert rel(g, r) < 0.1
 
 
 # --- Where the products run --------------------------------------------------------------------
 
 
 def _grad_step(w, x):
-    loss = lambda w, x: jnp.sum(_mx_fn(_matmul, jnp.bfloat16)(w, x) ** 2)
+    loss = lambda w, x: jnp.sum(_mx_fn(matmul, jnp.bfloat16)(w, x) ** 2)
     return jax.grad(loss, argnums=(0, 1))(w, x)
 
 
 def test_cuda_lowering_runs_every_product_as_cudnn_block_scaled_dot():
     w, x = jnp.ones((64, 32)), jnp.ones((72, 64))  # 72 tokens: the weight gradient is padded
-    text = jax.jit(_mx_fn(_matmul)).trace(w, x).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(_mx_fn(matmul)).trace(w, x).lower(lowering_platforms=("cuda",)).as_text()
     (call,) = [line for line in text.splitlines() if BLOCK_DOT in line]
     assert "f8E4M3FN" in call and "f8E8M0FNU" in call
     step = jax.jit(_grad_step).trace(w, x).lower(lowering_platforms=("cuda",)).as_text()
@@ -260,8 +252,8 @@ def test_cpu_runs_the_emulation_in_float8_dot_generals():
 
 def test_tensor_is_the_default_and_unchanged():
     w, x = _rows((64, 32), 17), _rows((16, 64), 18)
-    default = jaxmp.autocast(_matmul, jnp.bfloat16, matmul_dtype=E4M3)
-    tensor = jaxmp.autocast(_matmul, jnp.bfloat16, matmul_dtype=E4M3, float8_scaling="tensor")
+    default = jaxmp.autocast(matmul, jnp.bfloat16, matmul_dtype=E4M3)
+    tensor = jaxmp.autocast(matmul, jnp.bfloat16, matmul_dtype=E4M3, float8_scaling="tensor")
     program = str(jax.make_jaxpr(jax.grad(lambda w, x: jnp.sum(default(w, x))))(w, x))
     assert str(jax.make_jaxpr(jax.grad(lambda w, x: jnp.sum(tensor(w, x))))(w, x)) == program
     assert "platform_index" not in program and "e5m2" in program  # per-tensor, e5m2 cotangent
@@ -270,7 +262,7 @@ def test_tensor_is_the_default_and_unchanged():
 
 def test_vmap_scan_and_nested_autocast():
     w, xs = _rows((64, 32), 19), _rows((3, 16, 64), 20, outliers=(0,))
-    f = _mx_fn(_matmul)
+    f = _mx_fn(matmul)
     per_example = jax.jit(jax.vmap(f, in_axes=(None, 0)))(w, xs)
     for x, out in zip(xs, per_example):  # each example gets its own blocks, as alone
         _close(out, _mx(x, 1) @ _mx(w, 0), np.abs(x) @ np.abs(w))
@@ -294,11 +286,11 @@ def test_shard_map():
     # the mesh axis like the emulation's (jax 0.8 refuses branches that disagree).
     mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     w, x = _rows((64, 32), 31) / 8, _rows((64, 64), 32)
-    loss = lambda w, x: jnp.sum(jnp.tanh(_matmul(w, x)) ** 2)
+    loss = lambda w, x: jnp.sum(jnp.tanh(matmul(w, x)) ** 2)
     body = lambda w, x: jax.grad(_mx_fn(loss, jnp.bfloat16))(w, x)  # summed over devices
     run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
     sharded = jax.device_put(x, NamedSharding(mesh, P("data")))
-    assert _rel(run(w, sharded), jax.jit(jax.grad(loss))(w, x)) < 0.1
+    assert rel(run(w, sharded), jax.jit(jax.grad(loss))(w, x)) < 0.1
     assert BLOCK_DOT in run.trace(w, sharded).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -378,12 +370,12 @@ def test_convolutions_keep_the_per_tensor_product():
 def test_invalid_float8_scaling_raises_with_the_fix(api, kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         if api == "autocast":
-            jaxmp.autocast(_matmul, jnp.bfloat16, **kwargs)
+            jaxmp.autocast(matmul, jnp.bfloat16, **kwargs)
         elif api == "accumulate_value_and_grad":
-            jaxmp.accumulate_value_and_grad(_matmul, 2, compute_dtype=jnp.bfloat16, **kwargs)
+            jaxmp.accumulate_value_and_grad(matmul, 2, compute_dtype=jnp.bfloat16, **kwargs)
         else:
             module = jaxmp.debug if api == "find_nonfinite" else jaxmp
-            getattr(module, api)(_matmul, compute_dtype=jnp.bfloat16, **kwargs)
+            getattr(module, api)(matmul, compute_dtype=jnp.bfloat16, **kwargs)
 
 
 def test_find_nonfinite_checks_the_mxfp8_step():
@@ -426,7 +418,7 @@ def test_mp_value_and_grad_and_accumulate_run_mxfp8_and_match_float32():
         loss, grads, _, finite = jax.jit(step)(params, x, y)
         assert bool(finite) and abs(float(loss) / float(ref_loss) - 1) < 0.05
         for name in params:
-            assert grads[name].dtype == F32 and _rel(grads[name], ref[name]) < 0.1, name
+            assert grads[name].dtype == F32 and rel(grads[name], ref[name]) < 0.1, name
     cuda = jax.jit(step).trace(params, x, y).lower(lowering_platforms=("cuda",)).as_text()
     assert BLOCK_DOT in cuda and "stablehlo.dot_general" not in cuda
     grad_fn = jaxmp.mp_grad(_loss, **options)
@@ -476,7 +468,7 @@ def test_flax_linen_dense_model():
         return jnp.mean((model.apply({"params": params}, x) - y) ** 2)
 
     grads, ref = _two_layer_step_against_float32(loss, params, x, y)
-    assert _rel(grads["Dense_0"]["kernel"], ref["Dense_0"]["kernel"]) < 0.1
+    assert rel(grads["Dense_0"]["kernel"], ref["Dense_0"]["kernel"]) < 0.1
 
 
 def test_equinox_model():
@@ -490,7 +482,7 @@ def test_equinox_model():
         return jnp.mean((jax.vmap(eqx.combine(params, static))(x) - y) ** 2)
 
     grads, ref = _two_layer_step_against_float32(loss, params, x, y)
-    assert _rel(grads.layers[0].weight, ref.layers[0].weight) < 0.1
+    assert rel(grads.layers[0].weight, ref.layers[0].weight) < 0.1
 
 
 # --- Where the block-scaled products run --------------------------------------------------------

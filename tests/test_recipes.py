@@ -37,12 +37,9 @@ def _run_recipe(title):
     return namespace
 
 
-@pytest.fixture(autouse=True)
-def _standard_promotion():
-    # The recipes are user code, written under JAX's default promotion; their
-    # jitted steps were traced under it, so they are called under it too.
-    with jax.numpy_dtype_promotion("standard"):
-        yield
+# The recipes are user code, written under JAX's default promotion; their
+# jitted steps were traced under it, so they are called under it too.
+pytestmark = pytest.mark.usefixtures("standard_promotion")
 
 
 def _assert_bitwise_equal(new, old):

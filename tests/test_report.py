@@ -21,16 +21,11 @@ import jaxmp
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = "precision_report.md"
-pytestmark = pytest.mark.filterwarnings("ignore::jaxmp.debug.MostlyFloat32Warning",
-                                        "ignore::jaxmp.experimental.Float8ShortfallWarning")
-
-
-@pytest.fixture(autouse=True)
-def _standard_promotion():
-    # The models are user code, written under JAX's default promotion (a float32 layer meets
-    # bfloat16 inputs), traced here under it.
-    with jax.numpy_dtype_promotion("standard"):
-        yield
+# The models are user code, written under JAX's default promotion (a float32 layer meets
+# bfloat16 inputs), traced here under it.
+pytestmark = [pytest.mark.filterwarnings("ignore::jaxmp.debug.MostlyFloat32Warning",
+                                         "ignore::jaxmp.experimental.Float8ShortfallWarning"),
+              pytest.mark.usefixtures("standard_promotion")]
 
 
 class _Net(nn.Module):

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxmp
+from tests.helpers import matmul_loss
 
 
 def _same(a, b):
@@ -67,15 +68,11 @@ def test_every_function_has_the_same_default_compute_dtype():
     assert "bf16[2,4]" in jaxpr and "f16[" not in jaxpr.replace("bf16[", "")
 
 
-def _loss(w, x):
-    return jnp.mean((x @ w) ** 2)
-
-
 def test_a_dynamic_scaler_with_bfloat16_is_said_once_while_tracing():
     import warnings  # pylint: disable=g-import-not-at-top
 
     w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
-    step = jax.jit(lambda w, x, s: jaxmp.mp_value_and_grad(_loss)(w, x, scaler_state=s))
+    step = jax.jit(lambda w, x, s: jaxmp.mp_value_and_grad(matmul_loss)(w, x, scaler_state=s))
     with pytest.warns(UserWarning, match=r"computes in bfloat16 .* dynamic loss scaler") as caught:
         step(w, x, jaxmp.init_scaler())
         step(w, 2 * x, jaxmp.init_scaler())  # the same trace: said once
@@ -85,7 +82,9 @@ def test_a_dynamic_scaler_with_bfloat16_is_said_once_while_tracing():
     with warnings.catch_warnings():  # the right scaler, float16, or no mixed precision: silent
         warnings.simplefilter("error")
         for fn, scaler in [
-                (jaxmp.mp_value_and_grad(_loss), jaxmp.scaler_for(jnp.bfloat16)),
-                (jaxmp.mp_value_and_grad(_loss, compute_dtype=jnp.float16), jaxmp.init_scaler()),
-                (jaxmp.mp_value_and_grad(_loss, use_mixed_precision=False), jaxmp.init_scaler())]:
+                (jaxmp.mp_value_and_grad(matmul_loss), jaxmp.scaler_for(jnp.bfloat16)),
+                (jaxmp.mp_value_and_grad(matmul_loss, compute_dtype=jnp.float16),
+                 jaxmp.init_scaler()),
+                (jaxmp.mp_value_and_grad(matmul_loss, use_mixed_precision=False),
+                 jaxmp.init_scaler())]:
             jax.eval_shape(lambda w, x, s, fn=fn: fn(w, x, scaler_state=s), w, x, scaler)
