@@ -372,115 +372,38 @@ class _Site(NamedTuple):
     producer: str = ""  # "conversion": where the converted value was computed
 
 
-class _Shadow(interpret.Interpreter):
-    """Evaluates a jaxpr on pairs ``(value, float32 shadow)`` and records what goes wrong.
+class _Locator:
+    """Names an equation in the user's terms: the line of the user's code that made it, or,
+    for an operation jaxmp added, the argument leaf it casts or the user's operation it feeds.
 
-    Evaluation is eager (``interpret.eager_handlers``; a ``shard_map`` on one
-    device), and records are made directly; only inside a loop too long to run
-    one iteration at a time do they go through ``jax.debug.callback``.
+    The evaluator (:class:`_Shadow`) tells it what it evaluates: each jaxpr
+    (:meth:`add_jaxpr`), the equations it is inside (``enclosing``, innermost
+    last: the equation being evaluated) and which variables hold the user's
+    arguments (``input_paths``, passed into called jaxprs by :meth:`pass_paths`).
     """
 
     def __init__(self):
-        super().__init__({**interpret.eager_handlers(), "shard_map": _shard_map})
-        self.sites: list[_Site] = []
-        self.site_of: dict[tuple[int, int], int] = {}
-        self.records: dict[tuple[int, str], dict] = {}
-        self.lock = threading.Lock()  # a traced loop's callbacks record while evaluation goes on
-        self.transposing = 0
-        self.enclosing: list[Any] = []  # the higher-order equations being evaluated
+        self.enclosing: list[Any] = []  # the equations being evaluated, innermost last
         # The pytree path (in the user's arguments) of each input variable; the
         # producer and the consumers of every variable of the jaxprs evaluated, and the
-        # variables that leave a jaxpr (see _carry).
+        # variables that leave a jaxpr (see _Flow.carry).
         self.input_paths: dict[Any, str] = {}
         self.uses = jaxprs.Uses()
         self.seen_jaxprs: dict[int, Any] = {}
-        # Where non-finite values go (see _carry): the sites each value's non-finite elements
-        # come from, by the value's half-precision array (kept alive: ids stay unique); the
-        # sites whose non-finite values reach an end of the program; the variables of the
-        # program evaluated (its ends).
-        self.carried: dict[int, tuple[Any, frozenset]] = {}
-        self.reached: set[int] = set()
-        self.ends: set[Any] = set()
-        self.gathering: list[set] = []  # per higher-order equation being evaluated
 
-    def run(self, closed, flat_args: Sequence[Any], paths: Sequence[str]) -> list:
-        """Evaluates ``closed`` on ``flat_args`` (arrays) paired with their float32 shadows."""
-        self.input_paths.update(zip(closed.jaxpr.invars, paths))
-        self.ends.update(v for v in closed.jaxpr.outvars if compat.is_var(v))
-        return self.eval_closed(closed, [(x, _widen(x)) for x in flat_args])
-
-    def eval_jaxpr(self, jaxpr, consts, args):
+    def add_jaxpr(self, jaxpr) -> None:
+        """Indexes the variables of ``jaxpr``, the first time it is evaluated."""
         if id(jaxpr) not in self.seen_jaxprs:
             self.seen_jaxprs[id(jaxpr)] = jaxpr  # kept alive: ids stay unique
             self.uses.add(jaxpr)
-        return super().eval_jaxpr(jaxpr, consts, args)
 
-    # Values are pairs.
-    def literal(self, lit):
-        x = jnp.asarray(lit.val, lit.aval.dtype)
-        return (x, _widen(x))
+    def pass_paths(self, outer_vars, inner_vars) -> None:
+        """A called jaxpr's inputs ``inner_vars`` hold the arguments its ``outer_vars`` hold."""
+        for outer_v, inner_v in zip(outer_vars, inner_vars):
+            if compat.is_var(outer_v) and outer_v in self.input_paths:
+                self.input_paths[inner_v] = self.input_paths[outer_v]
 
-    def const(self, array):
-        return (array, _widen(array))
-
-    def to_original(self, value, aval):
-        return value[0]
-
-    def from_original(self, array, like):
-        return None if array is None else (array, _widen(array))
-
-    def eval_eqn(self, eqn, invals):
-        inner = jaxprs.called_jaxpr(eqn)
-        if inner is not None:
-            for outer_v, inner_v in zip(eqn.invars, inner.invars):
-                if compat.is_var(outer_v) and outer_v in self.input_paths:
-                    self.input_paths[inner_v] = self.input_paths[outer_v]
-        transpose = compat.is_backward(compat.name_stack(eqn))
-        higher_order = eqn.primitive.name in self.handlers
-        self.transposing += transpose
-        self.enclosing.append(eqn)
-        if higher_order:
-            self.gathering.append(set())
-        try:
-            outs = super().eval_eqn(eqn, invals)
-        finally:
-            self.transposing -= transpose
-            self.enclosing.pop()
-            inside = self.gathering.pop() if higher_order else set()
-        if higher_order:
-            # Its results are new arrays (a loop's stacked outputs, a shard_map's merged
-            # blocks): they carry whatever non-finite values went in or were made inside.
-            sites = self._carried_by([h for h, _ in invals]) | inside
-            for v, out in zip(eqn.outvars, outs):
-                if sites and out is not None and self._diverges(*out, carrying=True):
-                    self._carry(out[0], sites, v)
-        return outs
-
-    def first_order(self, eqn, invals):
-        halves = [h for h, _ in invals]
-        shadows = [s for _, s in invals]
-        both = _both_compiled(eqn, halves, shadows)
-        suspicious = None
-        if both is None:
-            outs = interpret.bind(eqn, halves)
-            shadow_outs = _shadow_of(eqn, halves, shadows, outs)
-        else:
-            outs, shadow_outs, suspicious = both
-        self._check(eqn, invals, outs, shadow_outs, suspicious)
-        return list(zip(outs, shadow_outs))
-
-    def _site(self, eqn, index: int, out) -> int:
-        key = (id(eqn), index)
-        if key not in self.site_of:
-            where, called_from, *more = self._where(eqn)
-            self.site_of[key] = len(self.sites)
-            self.sites.append(_Site(
-                len(self.sites), eqn.primitive.name, where, called_from,
-                np.dtype(out.dtype).name, int(np.prod(out.shape)), self.transposing > 0,
-                **dict(zip(("added", "feeds", "producer"), more))))
-        return self.site_of[key]
-
-    def _where(self, eqn) -> tuple:
+    def where(self, eqn) -> tuple:
         """``(where, called_from)`` of ``eqn`` in the user's terms, and, for an operation
         jaxmp added, ``added``, ``feeds`` and ``producer`` (the trailing fields of _Site)."""
         enclosing = self.enclosing[:-1]
@@ -557,58 +480,49 @@ class _Shadow(interpret.Interpreter):
                     return e
         return None
 
-    def _check(self, eqn, invals, outs, shadow_outs, suspicious=None):
-        """Checks each float result of ``eqn``; ``suspicious`` (per result, from the device)
-        skips the host's look at results with nothing wrong that carry nothing."""
-        float_in = [(h, s) for h, s in invals if casting.is_float_array(h) and h.size]
-        in_h = [h for h, _ in float_in]
-        in_s = [s for _, s in float_in]
-        came_in = None
-        for i, (h, s) in enumerate(zip(outs, shadow_outs)):
-            if not casting.is_float_array(h) or h.size == 0:
-                continue
-            site = self._site(eqn, i, h)
-            if suspicious is not None and not suspicious[i]:
-                if came_in is None:
-                    came_in = self._carried_by(in_h)
-                if not came_in:
-                    continue
-            if any(compat.is_tracer(x) for x in (*in_h, *in_s, h, s)):
-                # Inside a loop too long to run one iteration at a time: check on the
-                # host at run time, where values are not followed (what overflows there is
-                # reported whether or not it reaches the loss).
-                jax.debug.callback(functools.partial(self._host_check, site, True),
-                                   in_h, in_s, h, s)
-                continue
-            h_host, s_host = jax.device_get((h, s))
-            overflow = self._host_check(site, False, in_h, in_s, h_host, s_host)
-            if came_in is None:
-                came_in = self._carried_by(in_h)
-            if overflow or self._diverges(h_host, s_host, carrying=bool(came_in)):
-                self._carry(h, came_in | {site} if overflow else came_in, eqn.outvars[i])
 
-    def _host_check(self, site, unfollowed, in_h, in_s, h, s) -> bool:
-        """Records what went wrong in one result; whether it overflowed where float32 did not."""
-        stats = _stats(in_h, in_s, *jax.device_get((h, s)))  # inputs: only if needed
-        if not stats[0]:
-            return False
-        overflow = self._record(site, *stats[1:]) == "overflow"
-        if overflow and unfollowed:
-            with self.lock:
-                self.reached.add(site)
-        return overflow
+class _Flow:
+    """Where non-finite values go: the overflows whose values reach the loss or a gradient.
 
-    # --- Where non-finite values go ------------------------------------------------------
-    #
-    # An overflow is reported only where its non-finite values reach an end of the program
-    # (the loss, a gradient): each value whose half-precision array is inf or NaN where its
-    # float32 shadow is finite, or (made from such values) finite but far from the shadow,
-    # carries the sites its non-finite elements came from, from the operands of the operation
-    # that made it; a value that agrees with its shadow again (exp(-inf) = 0, a select that
-    # drops them, tanh(inf) = 1) carries nothing on.
+    An overflow is reported only where its non-finite values reach an end of the program
+    (the loss, a gradient): each value whose half-precision array is inf or NaN where its
+    float32 shadow is finite, or (made from such values) finite but far from the shadow,
+    carries the sites its non-finite elements came from, from the operands of the operation
+    that made it; a value that agrees with its shadow again (exp(-inf) = 0, a select that
+    drops them, tanh(inf) = 1) carries nothing on.
+    """
+
+    def __init__(self, uses: jaxprs.Uses):
+        self.uses = uses  # the jaxprs evaluated (_Locator's index): what uses each variable
+        # Where non-finite values go (see carry): the sites each value's non-finite elements
+        # come from, by the value's half-precision array (kept alive: ids stay unique); the
+        # sites whose non-finite values reach an end of the program; the variables of the
+        # program evaluated (its ends).
+        self.carried: dict[int, tuple[Any, frozenset]] = {}
+        self.reached: set[int] = set()
+        self.ends: set[Any] = set()
+        self.gathering: list[set] = []  # per higher-order equation being evaluated
+
+    def enter(self) -> None:
+        """A higher-order equation starts: gathers the sites carried inside it."""
+        self.gathering.append(set())
+
+    def leave(self) -> set:
+        """The innermost higher-order equation ends: the sites carried inside it."""
+        return self.gathering.pop()
+
+    def carry_out(self, eqn, halves, inside: set, outs) -> None:
+        """The results ``outs`` (pairs) of the higher-order ``eqn``, on the arrays ``halves``,
+        carry what they carried in and what was carried ``inside`` it."""
+        # Its results are new arrays (a loop's stacked outputs, a shard_map's merged
+        # blocks): they carry whatever non-finite values went in or were made inside.
+        sites = self.carried_by(halves) | inside
+        for v, out in zip(eqn.outvars, outs):
+            if sites and out is not None and self.diverges(*out, carrying=True):
+                self.carry(out[0], sites, v)
 
     @staticmethod
-    def _diverges(h, s, carrying: bool = False) -> bool:
+    def diverges(h, s, carrying: bool = False) -> bool:
         """Whether the half-precision ``h`` is inf or NaN somewhere its shadow ``s`` is finite,
         or, for a value made from values that carry non-finite elements (``carrying``), differs
         from its shadow by more than a tenth of the shadow's largest magnitude: a variance that
@@ -627,7 +541,7 @@ class _Shadow(interpret.Interpreter):
         error = float(np.abs(h[both] - s[both]).max()) if both.any() else 0.0
         return error > 0.1 * float(np.abs(s[finite]).max())
 
-    def _carried_by(self, halves) -> set:
+    def carried_by(self, halves) -> set:
         """The sites whose non-finite values any of ``halves`` (arrays) carries."""
         sites: set = set()
         for h in halves:
@@ -636,7 +550,7 @@ class _Shadow(interpret.Interpreter):
                 sites |= entry[1]
         return sites
 
-    def _carry(self, h, sites, var) -> None:
+    def carry(self, h, sites, var) -> None:
         """``h`` (the value of ``var``) carries the non-finite values of ``sites``; where
         ``var`` is an end of the program (its result, or a value nothing uses: a gradient),
         they reach it."""
@@ -648,6 +562,136 @@ class _Shadow(interpret.Interpreter):
             inside |= sites
         if var in self.ends or (var not in self.uses.users and var not in self.uses.outputs):
             self.reached |= sites
+
+
+class _Shadow(interpret.Interpreter):
+    """Evaluates a jaxpr on pairs ``(value, float32 shadow)`` and records what goes wrong.
+
+    Evaluation is eager (``interpret.eager_handlers``; a ``shard_map`` on one
+    device), and records are made directly; only inside a loop too long to run
+    one iteration at a time do they go through ``jax.debug.callback``. Its
+    ``locator`` names each site in the user's terms, and its ``flow`` follows
+    where non-finite values go (which overflows reach the loss or a gradient).
+    """
+
+    def __init__(self):
+        super().__init__({**interpret.eager_handlers(), "shard_map": _shard_map})
+        self.sites: list[_Site] = []
+        self.site_of: dict[tuple[int, int], int] = {}
+        self.records: dict[tuple[int, str], dict] = {}
+        self.lock = threading.Lock()  # a traced loop's callbacks record while evaluation goes on
+        self.transposing = 0
+        self.locator = _Locator()
+        self.flow = _Flow(self.locator.uses)
+
+    def run(self, closed, flat_args: Sequence[Any], paths: Sequence[str]) -> list:
+        """Evaluates ``closed`` on ``flat_args`` (arrays) paired with their float32 shadows."""
+        self.locator.input_paths.update(zip(closed.jaxpr.invars, paths))
+        self.flow.ends.update(v for v in closed.jaxpr.outvars if compat.is_var(v))
+        return self.eval_closed(closed, [(x, _widen(x)) for x in flat_args])
+
+    def eval_jaxpr(self, jaxpr, consts, args):
+        self.locator.add_jaxpr(jaxpr)
+        return super().eval_jaxpr(jaxpr, consts, args)
+
+    # Values are pairs.
+    def literal(self, lit):
+        x = jnp.asarray(lit.val, lit.aval.dtype)
+        return (x, _widen(x))
+
+    def const(self, array):
+        return (array, _widen(array))
+
+    def to_original(self, value, aval):
+        return value[0]
+
+    def from_original(self, array, like):
+        return None if array is None else (array, _widen(array))
+
+    def eval_eqn(self, eqn, invals):
+        inner = jaxprs.called_jaxpr(eqn)
+        if inner is not None:
+            self.locator.pass_paths(eqn.invars, inner.invars)
+        transpose = compat.is_backward(compat.name_stack(eqn))
+        higher_order = eqn.primitive.name in self.handlers
+        self.transposing += transpose
+        self.locator.enclosing.append(eqn)
+        if higher_order:
+            self.flow.enter()
+        try:
+            outs = super().eval_eqn(eqn, invals)
+        finally:
+            self.transposing -= transpose
+            self.locator.enclosing.pop()
+            inside = self.flow.leave() if higher_order else set()
+        if higher_order:
+            self.flow.carry_out(eqn, [h for h, _ in invals], inside, outs)
+        return outs
+
+    def first_order(self, eqn, invals):
+        halves = [h for h, _ in invals]
+        shadows = [s for _, s in invals]
+        both = _both_compiled(eqn, halves, shadows)
+        suspicious = None
+        if both is None:
+            outs = interpret.bind(eqn, halves)
+            shadow_outs = _shadow_of(eqn, halves, shadows, outs)
+        else:
+            outs, shadow_outs, suspicious = both
+        self._check(eqn, invals, outs, shadow_outs, suspicious)
+        return list(zip(outs, shadow_outs))
+
+    def _site(self, eqn, index: int, out) -> int:
+        key = (id(eqn), index)
+        if key not in self.site_of:
+            where, called_from, *more = self.locator.where(eqn)
+            self.site_of[key] = len(self.sites)
+            self.sites.append(_Site(
+                len(self.sites), eqn.primitive.name, where, called_from,
+                np.dtype(out.dtype).name, int(np.prod(out.shape)), self.transposing > 0,
+                **dict(zip(("added", "feeds", "producer"), more))))
+        return self.site_of[key]
+
+    def _check(self, eqn, invals, outs, shadow_outs, suspicious=None):
+        """Checks each float result of ``eqn``; ``suspicious`` (per result, from the device)
+        skips the host's look at results with nothing wrong that carry nothing."""
+        float_in = [(h, s) for h, s in invals if casting.is_float_array(h) and h.size]
+        in_h = [h for h, _ in float_in]
+        in_s = [s for _, s in float_in]
+        came_in = None
+        for i, (h, s) in enumerate(zip(outs, shadow_outs)):
+            if not casting.is_float_array(h) or h.size == 0:
+                continue
+            site = self._site(eqn, i, h)
+            if suspicious is not None and not suspicious[i]:
+                if came_in is None:
+                    came_in = self.flow.carried_by(in_h)
+                if not came_in:
+                    continue
+            if any(compat.is_tracer(x) for x in (*in_h, *in_s, h, s)):
+                # Inside a loop too long to run one iteration at a time: check on the
+                # host at run time, where values are not followed (what overflows there is
+                # reported whether or not it reaches the loss).
+                jax.debug.callback(functools.partial(self._host_check, site, True),
+                                   in_h, in_s, h, s)
+                continue
+            h_host, s_host = jax.device_get((h, s))
+            overflow = self._host_check(site, False, in_h, in_s, h_host, s_host)
+            if came_in is None:
+                came_in = self.flow.carried_by(in_h)
+            if overflow or self.flow.diverges(h_host, s_host, carrying=bool(came_in)):
+                self.flow.carry(h, came_in | {site} if overflow else came_in, eqn.outvars[i])
+
+    def _host_check(self, site, unfollowed, in_h, in_s, h, s) -> bool:
+        """Records what went wrong in one result; whether it overflowed where float32 did not."""
+        stats = _stats(in_h, in_s, *jax.device_get((h, s)))  # inputs: only if needed
+        if not stats[0]:
+            return False
+        overflow = self._record(site, *stats[1:]) == "overflow"
+        if overflow and unfollowed:
+            with self.lock:
+                self.flow.reached.add(site)
+        return overflow
 
     def _record(self, site, created, shadow_finite, nonfinite, underflow, half_max, f32_max,
                 f32_min, in_max) -> str:
@@ -674,9 +718,7 @@ class _Shadow(interpret.Interpreter):
 def _shard_map(shadow: _Shadow, eqn, invals: list) -> list:
     """A ``shard_map`` (or ``pmap``): its body on the global arrays, one operation at a time."""
     batched = one_device.as_batched(eqn)
-    for outer_v, inner_v in zip(eqn.invars, batched.jaxpr.jaxpr.invars):
-        if compat.is_var(outer_v) and outer_v in shadow.input_paths:
-            shadow.input_paths[inner_v] = shadow.input_paths[outer_v]
+    shadow.locator.pass_paths(eqn.invars, batched.jaxpr.jaxpr.invars)
     blocks = [tuple(batched.split(i, x) for x in pair) for i, pair in enumerate(invals)]
     outs = shadow.eval_closed(batched.jaxpr, blocks)
     return [tuple(batched.merge(i, y) for y in pair) for i, pair in enumerate(outs)]
@@ -876,7 +918,7 @@ def _collect(shadow: _Shadow, phase_of: Callable, scale: float, half: np.dtype,
     for (site_id, kind), stats in sorted(shadow.records.items()):
         site = shadow.sites[site_id]
         key = (site.primitive, site.where, site.dtype, site.size, kind)
-        if key in skip or (kind == "overflow" and site_id not in shadow.reached):
+        if key in skip or (kind == "overflow" and site_id not in shadow.flow.reached):
             continue  # its non-finite values never reach the loss or a gradient
         phase = phase_of(site)
         findings.append(Finding(
