@@ -672,3 +672,22 @@ def test_a_diagnosis_is_not_a_training_step_so_says_nothing_of_the_float32_share
         jaxmp.mp_value_and_grad(loss, compute_dtype=jnp.float16, autocast=False)(
             w, x, scaler_state=jaxmp.init_scaler())
     assert [c for c in caught if c.category is jaxmp.debug.MostlyFloat32Warning]
+
+
+def test_a_loop_constant_in_a_loop_compiled_whole(monkeypatch):
+    # exp of a value the scan body closes over (not carried): its operands are concrete, its
+    # results the compiled loop's tracers; found by callback like the carried case above.
+    from jaxmp._src import interpret
+    monkeypatch.setattr(interpret, "EAGER_LOOP_BUDGET", 0)
+
+    def loss_fn(w):
+        c, _ = jax.lax.scan(lambda c, _: (c + jnp.exp(w), None), jnp.zeros_like(w), None,
+                            length=3)
+        return jnp.mean(c)
+
+    report = jaxmp.debug.find_nonfinite(loss_fn, autocast=False, compute_dtype=jnp.float16)(
+        jnp.full((3,), 12.0), scaler_state=jaxmp.static_scaler(1.0))
+    first = _overflows(report)[0]
+    assert first.phase == "forward" and first.primitive == "exp"
+    assert not jaxmp.debug.find_nonfinite(loss_fn, autocast=False, compute_dtype=jnp.float16)(
+        jnp.full((3,), 1.0), scaler_state=jaxmp.static_scaler(1.0))

@@ -336,6 +336,10 @@ def _both_compiled(eqn, halves: list, shadows: list):
     # as eager evaluation gives it: later operations see that and skip their shadow).
     outs = list(outs)
     shadow_outs = [o if i else next(rest) for o, i in zip(outs, identical)]
+    if any(compat.is_tracer(x) for x in (*outs, *shadow_outs)):
+        # Concrete operands (a loop constant), evaluated inside a loop that is compiled
+        # whole: the results are the loop's tracers, checked by callback (suspicious None).
+        return outs, shadow_outs, None
     suspicious = [bool(_SUSPICIOUS(o, s)) if casting.is_float_array(o) and o.size else False
                   for o, s in zip(outs, shadow_outs)]
     return outs, shadow_outs, suspicious
