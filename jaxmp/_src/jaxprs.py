@@ -264,7 +264,8 @@ def at_positions(args: Sequence[Any], positions: Sequence[int],
 
 def is_dynamic(x: Any) -> bool:
     """Whether the argument leaf ``x`` is traced (an array or a ``jax.ShapeDtypeStruct``) by the
-    measures of :mod:`jaxmp.debug` (:func:`jaxmp.debug.gpu_program` too); any other leaf is closed over."""
+    measures of :mod:`jaxmp.debug` (:func:`jaxmp.debug.gpu_program` too); any other leaf is
+    closed over."""
     return casting.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 

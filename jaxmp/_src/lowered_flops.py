@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 import re
 
-#: The :func:`jaxmp.debug.matmul_flops` keys of half-precision products (both operands float16, or both
-#: bfloat16).
+#: The :func:`jaxmp.debug.matmul_flops` keys of half-precision products (both operands
+#: float16, or both bfloat16).
 HALF_NAMES = ("float16", "bfloat16")
 _MLIR_DTYPES = {
     "f16": "float16",
@@ -234,12 +234,14 @@ def _is_float8_name(name: str) -> bool:
 
 
 def is_float8_key(key: str) -> bool:
-    """Whether a :func:`jaxmp.debug.matmul_flops` key names a float8 product (one or two float8 formats)."""
+    """Whether a :func:`jaxmp.debug.matmul_flops` key names a float8 product (one or two
+    float8 formats)."""
     return all(_is_float8_name(part) for part in key.split("+"))
 
 
 def low_precision_share(totals: dict[str, int]) -> float:
-    """The share of half-precision and float8 products in :func:`jaxmp.debug.matmul_flops` counts."""
+    """The share of half-precision and float8 products in :func:`jaxmp.debug.matmul_flops`
+    counts."""
     total = sum(totals.values())
     low = sum(v for k, v in totals.items() if k in HALF_NAMES or is_float8_key(k))
     return low / total if total else 0.0

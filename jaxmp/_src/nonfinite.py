@@ -1092,8 +1092,8 @@ def find_nonfinite(
     step = kernel.Step.create(
         loss_fn, api="jaxmp.debug.find_nonfinite", argnums=argnums, no_cast_argnums=no_cast_argnums,
         has_aux=has_aux, compute_dtype=compute_dtype, use_mixed_precision=True,
-        axis_name=axis_name, autocast=autocast, reduce_dtype=reduce_dtype, matmul_dtype=matmul_dtype,
-        float8_scaling=float8_scaling,
+        axis_name=axis_name, autocast=autocast, reduce_dtype=reduce_dtype,
+        matmul_dtype=matmul_dtype, float8_scaling=float8_scaling,
         # Not the training step's trace-time check of the half-precision share
         # (MostlyFloat32Warning): a diagnosis is not a training step.
         census=False)
