@@ -74,7 +74,8 @@ def saved_activation_bytes(
             if not has_aux:
                 return jaxprs.array_leaves(out)
             # Not a pair: jax.vjp says what has_aux=True expects.
-            return (jaxprs.array_leaves(out[0]), out[1]) if isinstance(out, tuple) and len(out) == 2 else out
+            pair = isinstance(out, tuple) and len(out) == 2
+            return (jaxprs.array_leaves(out[0]), out[1]) if pair else out
 
         out = jax.vjp(f, *diff, has_aux=has_aux)
         return out[1]

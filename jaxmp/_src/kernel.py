@@ -288,7 +288,7 @@ class Step:
     compute_dtype: Any = None
     # Whether the cast-inputs path counts the loss's products by dtype on its first trace
     # (MostlyFloat32Warning): a training step does, a diagnosis (find_nonfinite) does not.
-    census: bool = True
+    check_share: bool = True
     # What tracing learnt, for the rest of the step and for later traces; written by this
     # class's methods only.
     learnt: Learnt = dataclasses.field(default_factory=Learnt, compare=False)
@@ -309,10 +309,11 @@ class Step:
         reduce_dtype: Any = None,
         matmul_dtype: Any = None,
         float8_scaling: str = "tensor",
-        census: bool = True,
+        check_share: bool = True,
     ) -> "Step":
-        """Validates the options of ``api`` (e.g. ``"jaxmp.mp_value_and_grad"``); ``census=False``
-        leaves out the trace-time count of the products by dtype (see :attr:`census`)."""
+        """Validates the options of ``api`` (e.g. ``"jaxmp.mp_value_and_grad"``);
+        ``check_share=False`` leaves out the trace-time count of the products by dtype (see
+        :attr:`check_share`)."""
         if not callable(fn):
             raise TypeError(f"{api} expects a function, got {type(fn).__name__}.")
         nums = int_tuple(argnums, "argnums")
@@ -334,7 +335,8 @@ class Step:
         return cls(api=api, call=call, input_dtype=input_dtype, argnums=argnums, nums=nums,
                    no_cast_nums=no_cast, has_aux=has_aux,
                    use_mixed_precision=use_mixed_precision, axis_name=axis_name,
-                   reduce_dtype=reduce_dtype, compute_dtype=compute_dtype, census=census)
+                   reduce_dtype=reduce_dtype, compute_dtype=compute_dtype,
+                   check_share=check_share)
 
     @property
     def single_argnum(self) -> bool:
@@ -435,7 +437,8 @@ class Step:
             it = iter(cast)
             args = [a if i in keep else next(it) for i, a in enumerate(args)]
         call = self.call
-        if self.census and casting.is_narrow_dtype(self.input_dtype) and not self.learnt.counted:
+        if (self.check_share and casting.is_narrow_dtype(self.input_dtype)
+                and not self.learnt.counted):
             # On the first trace only: trace the loss to a jaxpr, count its
             # products by dtype, then evaluate that jaxpr (one trace of the
             # user's code, as without the check).

@@ -1096,7 +1096,7 @@ def find_nonfinite(
         matmul_dtype=matmul_dtype, float8_scaling=float8_scaling,
         # Not the training step's trace-time check of the half-precision share
         # (MostlyFloat32Warning): a diagnosis is not a training step.
-        census=False)
+        check_share=False)
     half = casting.canonical_float_dtype(compute_dtype, allowed=casting.COMPUTE_DTYPES,
                                          what="compute_dtype")
     if not casting.is_narrow_dtype(half):
