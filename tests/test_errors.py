@@ -251,6 +251,14 @@ MISPLACED = {
         lambda: jaxmp.optimizer_update(_PARAMS, _OPT.init(_PARAMS), _OPT, _PARAMS, _TRUE),
         TypeError, r"second argument must be the optax optimizer .*got a tuple.*optimizer and "
                    r"opt_state are swapped.*optimizer_update\(params, optimizer, opt_state"),
+    # opt_state and grads swapped (issue 40): was optax's AttributeError: 'dict' object has
+    # no attribute 'mu' (adam), 'hyperparams' (inject_hyperparams), 'trace' (momentum)
+    **{f"optimizer_update, opt_state and grads swapped ({name})": (
+        lambda opt=opt: jaxmp.optimizer_update(_PARAMS, opt, _PARAMS, opt.init(_PARAMS), _TRUE),
+        TypeError, r"opt_state and grads are swapped.*optimizer_update\(params, optimizer, "
+                   r"opt_state, grads, finite\)")
+       for name, opt in [("adam", _OPT), ("sgd momentum", optax.sgd(0.1, momentum=0.9)),
+                         ("inject_hyperparams", optax.inject_hyperparams(optax.adam)(1e-3))]},
     "optimizer_update, optimizer first": (
         lambda: jaxmp.optimizer_update(_OPT, _PARAMS, _OPT.init(_PARAMS), _PARAMS, _TRUE),
         TypeError, r"the parameters come first"),

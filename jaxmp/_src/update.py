@@ -186,12 +186,13 @@ def optimizer_update(
         ([60000.0, 60000.0], False)
     """
     _check_update_arguments(params, optimizer, opt_state)
+    floats, rest = casting.partition(params)
+    _check_not_swapped(floats, opt_state, grads)
     finite = loss_scale.check_finite_flag(finite)
     if not isinstance(return_applied, bool):
         raise TypeError(f"return_applied must be True or False, got {return_applied!r}.")
     if check_update is not None and not isinstance(check_update, bool):
         raise TypeError(f"check_update must be None, True or False, got {check_update!r}.")
-    floats, rest = casting.partition(params)
     if "value_fn" in extra_args and callable(extra_args["value_fn"]):
         value_fn = extra_args["value_fn"]
         extra_args["value_fn"] = lambda p, *a, **k: value_fn(casting.combine(p, rest), *a, **k)
@@ -203,7 +204,7 @@ def optimizer_update(
     with jax.numpy_dtype_promotion("standard"):
         try:
             updates, new_opt_state = optimizer.update(grads, opt_state, floats, **extra_args)
-        except (ValueError, TypeError) as e:
+        except Exception as e:  # optax fails in its own terms (e.g. AttributeError: 'mu')
             _raise_if_grads_do_not_match(grads, floats, e)
             raise
         new_floats = optax.apply_updates(floats, updates)
@@ -247,11 +248,31 @@ def _check_update_arguments(params: PyTree, optimizer: Any, opt_state: PyTree) -
         f"{_SIGNATURE}.")
 
 
+def _structure(tree: PyTree) -> Any:
+    """The tree structure of ``tree`` with ``None`` as a leaf, as ``grads`` have it."""
+    return jax.tree_util.tree_structure(tree, is_leaf=lambda x: x is None)
+
+
+def _check_not_swapped(floats: PyTree, opt_state: PyTree, grads: PyTree) -> None:
+    """Raises ``TypeError`` when ``opt_state`` and ``grads`` are given in each other's place.
+
+    Told by structure alone, at trace time: the gradients have the structure of the
+    parameters' floating leaves; in the swapped call ``opt_state`` has it and ``grads``
+    does not. Without this, optax fails inside its own code (``'dict' object has no
+    attribute 'mu'``), far from the call.
+    """
+    params_structure = _structure(floats)
+    if _structure(grads) != params_structure and _structure(opt_state) == params_structure:
+        raise TypeError(
+            "jaxmp.optimizer_update: opt_state and grads are swapped: the fourth argument "
+            "(grads) has the structure of the optimizer's state and the third (opt_state) "
+            f"that of the parameters. The arguments are {_SIGNATURE}: pass "
+            "optimizer_update(params, optimizer, opt_state, grads, finite).")
+
+
 def _raise_if_grads_do_not_match(grads: PyTree, floats: PyTree, error: Exception) -> None:
     """Re-raises an optimizer's failure as what it is when ``grads`` do not match ``params``."""
-    is_none = lambda x: x is None
-    mine = jax.tree_util.tree_structure(grads, is_leaf=is_none)
-    theirs = jax.tree_util.tree_structure(floats, is_leaf=is_none)
+    mine, theirs = _structure(grads), _structure(floats)
     if mine != theirs:
         raise ValueError(
             "jaxmp.optimizer_update: grads do not have the structure of params (their "
