@@ -25,6 +25,8 @@ from jaxmp._src.diagnostics import saved_activation_bytes
 from jaxmp._src.gpu_program import gpu_program
 from jaxmp._src.gpu_program import GpuProgram
 from jaxmp._src.gpu_program import GpuTarget
+from jaxmp._src.gpu_program import Kernel
+from jaxmp._src.gpu_program import Product
 from jaxmp._src.nonfinite import find_nonfinite
 from jaxmp._src.nonfinite import Finding
 from jaxmp._src.nonfinite import NonfiniteReport
@@ -40,11 +42,13 @@ __all__ = (
     "GpuTarget",
     "half_matmul_flop_share",
     "is_float_array",
+    "Kernel",
     "matmul_flops",
     "MostlyFloat32Warning",
     "NonfiniteReport",
     "precision_report",
     "PrecisionReport",
+    "Product",
     "saved_activation_bytes",
     "UnknownEquationWarning",
 )

@@ -263,7 +263,7 @@ def test_a_missing_cuda_plugin_names_the_fix(monkeypatch):
     monkeypatch.setattr(gp, "plugin_installed", lambda: False)
     gp._mesh.cache_clear()
     try:
-        with pytest.raises(RuntimeError, match=r"(?s)no CUDA plugin.*jaxmp\[gpu-compile\].*"
+        with pytest.raises(RuntimeError, match=r"(?s)no CUDA plugin.*pip install -e \\"\.\[gpu-compile\]\\".*"
                                                r"JAX_PLATFORMS=cpu"):
             jaxmp.debug.gpu_program(lambda x: x @ x, jax.ShapeDtypeStruct((8, 8), jnp.float32))
     finally:

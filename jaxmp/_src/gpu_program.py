@@ -769,8 +769,9 @@ class GpuProgram:
 
 _PLUGIN_FIX = (
     "jaxmp compiles for a GPU target through JAX's CUDA plugin, without a GPU: install it "
-    "with `pip install \"jaxmp[gpu-compile]\"` (jax[cuda13-local]: the plugin matching your "
-    "jax, no NVIDIA libraries) and, on a machine without a GPU, set JAX_PLATFORMS=cpu in the "
+    "from the jaxmp checkout with `pip install -e \".[gpu-compile]\"` (or directly: `pip "
+    "install \"jax[cuda13-local]\" nvidia-cuda-nvcc`, the plugin matching your jax without "
+    "NVIDIA libraries, and ptxas) and, on a machine without a GPU, set JAX_PLATFORMS=cpu in the "
     "environment before jax is imported (the plugin then registers without looking for a "
     "driver).")
 
