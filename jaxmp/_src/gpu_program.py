@@ -183,6 +183,14 @@ class Product(NamedTuple):
         op_name: the JAX operation it comes from (``jit(step)/jvp()/dot_general``).
         location: the user's ``file:line (function)``, from the program's metadata.
         precision: ``"highest"`` when the product asks float32's full precision.
+
+    Examples:
+        >>> import jaxmp
+        >>> product = jaxmp.debug.Product(
+        ...     "gemm", "dot", "cuBLAS", "__cublas$lt$matmul", "bf16", "bf16", "f32",
+        ...     flops=65536, runs=1, op_name="jit(step)/dot_general", location="")
+        >>> product.tensor_cores, product.dtype_key
+        (True, 'bfloat16')
     """
 
     name: str
@@ -570,6 +578,13 @@ class Kernel(NamedTuple):
             in-place update's update only).
         products: indices into :attr:`GpuProgram.products` of the products it runs.
         op_name: the JAX operation it comes from.
+
+    Examples:
+        >>> import jaxmp
+        >>> kernel = jaxmp.debug.Kernel("fusion.3", "kLoop", runs=2, read=8192.0,
+        ...                             written=4096.0, products=(), op_name="jit(step)/exp")
+        >>> kernel.runs * kernel.written  # bytes it writes per step
+        8192.0
     """
 
     name: str
