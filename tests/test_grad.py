@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jaxmp
+from jaxmp._src import jaxprs
 
 HALF = [jnp.float16, jnp.bfloat16]
 # Relative tolerance of a half-precision computation against float32.
@@ -281,3 +282,42 @@ def test_a_float16_loss_caps_the_scale_below_its_own_overflow():
         _, _, state, finite = step(w, x, scaler_state=state)
         assert bool(finite)
     assert float(state.scale) == 2.0**18
+
+
+def _tanh_loss(params, x, labels):
+    h = jnp.tanh(x @ params[0]["w"] + params[0]["b"])
+    logits = h @ params[1]["w"] + params[1]["b"]
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
+
+
+def test_autocast_rules_move_an_operation_to_float32():
+    params = _mlp_params(jax.random.key(0))
+    x, y = _data(jax.random.key(1))
+    ref_grads = jax.grad(_tanh_loss)(params, x, y)
+    rules = jaxmp.AutocastRules(full_precision=jaxmp.autocast.FULL_PRECISION | {"tanh"})
+    state = jaxmp.init_scaler(initial_scale=2.0**10)
+
+    def tanh_dtypes(fn):
+        closed = jax.make_jaxpr(lambda p: fn(p, x, y, scaler_state=state))(params)
+        return {str(v.aval.dtype) for eqn, _, _ in jaxprs.walk(closed.jaxpr)
+                if eqn.primitive.name == "tanh" for v in eqn.outvars}
+
+    default = jaxmp.mp_value_and_grad(_tanh_loss, compute_dtype=jnp.float16)
+    assert tanh_dtypes(default) == {"float16"}
+    step = jaxmp.mp_value_and_grad(_tanh_loss, compute_dtype=jnp.float16, autocast_rules=rules)
+    assert tanh_dtypes(step) == {"float32"}
+    _, grads, _, finite = jax.jit(step)(params, x, y, scaler_state=state)
+    assert bool(finite)
+    _assert_tree_close(grads, ref_grads, rtol=2e-2, atol=2e-3)
+    grad_fn = jaxmp.mp_grad(_tanh_loss, compute_dtype=jnp.float16, autocast_rules=rules)
+    assert tanh_dtypes(grad_fn) == {"float32"}
+
+
+def test_autocast_rules_need_autocast_and_a_rules_value():
+    rules = jaxmp.AutocastRules(full_precision=jaxmp.autocast.FULL_PRECISION | {"tanh"})
+    with pytest.raises(ValueError, match="autocast_rules= needs autocast=True"):
+        jaxmp.mp_value_and_grad(_tanh_loss, autocast=False, autocast_rules=rules)
+    with pytest.raises(ValueError, match="autocast_rules= needs autocast=True"):
+        jaxmp.mp_grad(_tanh_loss, autocast=False, autocast_rules=rules)
+    with pytest.raises(TypeError, match="must be a jaxmp.AutocastRules"):
+        jaxmp.mp_value_and_grad(_tanh_loss, autocast_rules={"tanh"})

@@ -663,9 +663,10 @@ LOW_PRECISION = frozenset({"dot_general", "conv_general_dilated"})
 
 #: Numerically sensitive operations: autocast runs them in (at least) float32.
 FULL_PRECISION = frozenset({
-    # Sums and products whose result outgrows its inputs.
+    # Sums and products whose result outgrows its inputs (the scatter-adds of
+    # jax.ops.segment_sum and x.at[i].add among them).
     "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
-    "reduce_window_sum",
+    "reduce_window_sum", "scatter-add", "scatter-sub",
     # Exponentials, logarithms, powers and roots.
     "exp", "exp2", "expm1", "log", "log1p", "pow", "integer_pow", "square",
     "sqrt", "rsqrt", "cbrt",
@@ -760,12 +761,18 @@ SINGULAR = frozenset({"rsqrt", "sqrt", "div", "log", "pow", "integer_pow", "cbrt
 SUMS = frozenset({"reduce_sum", "cumsum", "reduce_window_sum", "dot_general",
                   "conv_general_dilated", "add_any"})
 
+#: Operations whose transpose is a sum (a gather's is a scatter-add of the cotangents): autocast
+#: runs them on float32 operands, their result narrowed back, so that the backward pass
+#: accumulates in float32.
+SUMMED_BACKWARD = frozenset({"gather"})
+
 #: Exponentials and powers: where a half-precision result overflows from a moderate input.
 EXPS = frozenset({"exp", "exp2", "expm1", "pow", "integer_pow", "square", "sinh", "cosh"})
 
 #: The scatters, each by the ``jax.lax`` function that builds it for any dtype.
 SCATTERS: Mapping[str, Callable] = {
     "scatter-add": lax.scatter_add,
+    "scatter-sub": lax.scatter_sub,
     "scatter-mul": lax.scatter_mul,
     "scatter-min": lax.scatter_min,
     "scatter-max": lax.scatter_max,

@@ -23,6 +23,7 @@ def mp_value_and_grad(
     reduce_dtype: Any = None,
     matmul_dtype: Any = None,
     float8_scaling: str = "tensor",
+    autocast_rules: Any = None,
 ) -> Callable:
     """Like ``jax.value_and_grad``, in mixed precision with loss scaling.
 
@@ -120,6 +121,12 @@ def mp_value_and_grad(
             one scale per tensor; ``"mxfp8"``, one power-of-two scale per block
             of 32 elements along each product's contracting dimension (OCP
             MXFP8, ``matmul_dtype=jnp.float8_e4m3fn``).
+        autocast_rules: with ``autocast=True``, a :class:`jaxmp.AutocastRules`:
+            which primitives autocast runs in which precision (``jaxmp.autocast``'s
+            ``rules``), e.g. ``jaxmp.AutocastRules(full_precision=
+            jaxmp.autocast.FULL_PRECISION | {"tanh"})`` to run ``tanh`` in
+            float32. ``None`` (default): ``jaxmp.AutocastRules()``. With
+            ``autocast=False`` it raises a ``ValueError``.
 
     Returns:
         A function returning ``(loss, grads, scaler_state, finite)``, or
@@ -151,7 +158,8 @@ def mp_value_and_grad(
         fn, api="jaxmp.mp_value_and_grad", argnums=argnums, no_cast_argnums=no_cast_argnums,
         has_aux=has_aux, compute_dtype=compute_dtype, use_mixed_precision=use_mixed_precision,
         axis_name=axis_name, autocast=autocast,
-        reduce_dtype=reduce_dtype, matmul_dtype=matmul_dtype, float8_scaling=float8_scaling)
+        reduce_dtype=reduce_dtype, matmul_dtype=matmul_dtype, float8_scaling=float8_scaling,
+        autocast_rules=autocast_rules)
 
     @kernel.wraps_adding_scaler_state(fn)
     def value_and_grad_fn(*args, scaler_state=kernel.REQUIRED, **kwargs):

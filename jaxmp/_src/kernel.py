@@ -151,13 +151,16 @@ def split_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
 
 
 def prepare_call(fn: Callable, compute_dtype: Any, use_mixed_precision: bool, autocast: bool,
-                 matmul_dtype: Any = None, float8_scaling: str = "tensor"):
+                 matmul_dtype: Any = None, float8_scaling: str = "tensor",
+                 autocast_rules: Any = None):
     """Checks ``compute_dtype`` and returns ``(call, input_dtype)`` for a gradient step.
 
     ``call`` is the function to differentiate; ``input_dtype`` is the dtype its
     floating inputs are cast to, or ``None`` when ``autocast`` chooses the
-    precision of each operation itself. ``matmul_dtype`` (a float8 dtype) and
-    ``float8_scaling`` (its recipe) go to autocast, which they need.
+    precision of each operation itself. ``matmul_dtype`` (a float8 dtype),
+    ``float8_scaling`` (its recipe) and ``autocast_rules`` (a
+    :class:`jaxmp.AutocastRules`, or ``None`` for the defaults) go to autocast,
+    which they need.
     """
     compute_dtype = casting.canonical_float_dtype(
         compute_dtype, allowed=casting.COMPUTE_DTYPES, what="compute_dtype"
@@ -170,13 +173,29 @@ def prepare_call(fn: Callable, compute_dtype: Any, use_mixed_precision: bool, au
         raise ValueError(
             f"matmul_dtype={matmul_dtype.name} needs autocast=True: float8 products are "
             "placed per operation by jaxmp.autocast (casting the inputs cannot do it).")
+    if autocast_rules is not None:
+        from jaxmp._src.autocast import rules as rules_lib  # pylint: disable=g-import-not-at-top
+
+        if not isinstance(autocast_rules, rules_lib.AutocastRules):
+            raise TypeError(
+                "autocast_rules must be a jaxmp.AutocastRules, e.g. jaxmp.AutocastRules("
+                "full_precision=jaxmp.autocast.FULL_PRECISION | {'tanh'}); got "
+                f"{type(autocast_rules).__name__}.")
+        if not autocast:
+            raise ValueError(
+                "autocast_rules= needs autocast=True: the rules say which operations "
+                "jaxmp.autocast runs in which precision, and autocast=False runs the loss as "
+                "written on inputs cast to compute_dtype. Drop autocast=False, or drop "
+                "autocast_rules (jaxmp.force_full_precision runs chosen code in float32 "
+                "without autocast).")
     if not use_mixed_precision:
         return fn, jnp.dtype(jnp.float32)
     if autocast:
         from jaxmp._src import autocast as autocast_lib  # pylint: disable=g-import-not-at-top
 
+        rules = {} if autocast_rules is None else {"rules": autocast_rules}
         return autocast_lib.autocast(fn, compute_dtype=compute_dtype, matmul_dtype=matmul_dtype,
-                                     float8_scaling=recipe.name), None
+                                     float8_scaling=recipe.name, **rules), None
     return fn, compute_dtype
 
 
@@ -310,6 +329,7 @@ class Step:
         matmul_dtype: Any = None,
         float8_scaling: str = "tensor",
         check_share: bool = True,
+        autocast_rules: Any = None,
     ) -> "Step":
         """Validates the options of ``api`` (e.g. ``"jaxmp.mp_value_and_grad"``);
         ``check_share=False`` leaves out the trace-time count of the products by dtype (see
@@ -326,7 +346,7 @@ class Step:
                 "uncast. Remove it from one of them."
             )
         call, input_dtype = prepare_call(fn, compute_dtype, use_mixed_precision, autocast,
-                                         matmul_dtype, float8_scaling)
+                                         matmul_dtype, float8_scaling, autocast_rules)
         reduce_dtype = sharding.check_reduce_dtype(reduce_dtype)
         if use_mixed_precision:  # under jit, XLA's gradient all-reduces in reduce_dtype
             call = wide_gradients.widen_gradient_products(call, reduce_dtype)

@@ -70,16 +70,20 @@ def autocast(
 
     * ``low_precision`` (``dot_general``, ``conv_general_dilated``): operands
       in ``compute_dtype``, result in ``compute_dtype``;
-    * ``full_precision`` (sums, products, cumulative sums, ``exp``, ``log``,
-      powers, ``sqrt``, ``rsqrt``, ``erf``, ...): floating operands in float32,
-      result in float32. Softmax, log-softmax, ``logsumexp`` and the mean and
+    * ``full_precision`` (sums, products, cumulative sums, scatter-adds such
+      as ``jax.ops.segment_sum``'s, ``exp``, ``log``, powers, ``sqrt``,
+      ``rsqrt``, ``erf``, ...): floating operands in float32, result in
+      float32. Softmax, log-softmax, ``logsumexp`` and the mean and
       variance of a normalisation are made of these, so they run in float32;
     * ``bounded`` (``tanh``, ``logistic``): saturating functions; like
       ``follow``, except that a float32 operand is narrowed to
       ``compute_dtype`` first (``tanh(inf)`` is still 1);
     * ``follow`` (arithmetic, comparisons, reshapes, slices, ``max``...): the
       narrowest dtype of the operands, so a float32 bias, scale or positional
-      embedding meeting a half-precision activation is cast down;
+      embedding meeting a half-precision activation is cast down. A
+      ``gather`` of half-precision values runs on a float32 operand, its
+      result narrowed back (exact), so that its transpose in the backward
+      pass, a scatter-add of the cotangents, sums in float32;
     * ``passthrough`` (collectives, ``sort``, sharding annotations): each
       operand keeps its dtype;
     * any other primitive runs as written, in its original dtypes.

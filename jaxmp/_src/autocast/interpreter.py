@@ -42,6 +42,10 @@ from jaxmp._src.autocast import rules as rules_lib
 _REDUCTIONS = compat.REDUCTIONS
 # Collectives that move a value between devices unchanged (no arithmetic).
 _MOVING = compat.MOVING_COLLECTIVES
+# Scatters, by the ``jax.lax`` function that builds each for its operands' dtype.
+_SCATTERS = compat.SCATTERS
+# Operations whose transpose is a sum (a gather's: a scatter-add), run on float32 operands.
+_SUMMED_BACKWARD = compat.SUMMED_BACKWARD
 
 
 # What autocast knows of a floating value, beyond its dtype:
@@ -212,7 +216,7 @@ class Autocast(interpret.Interpreter):
             cast = list(invals)
             for i in floats:
                 cast[i] = self.cast(cast[i], casting.wide_dtype(in_avals[i].dtype))
-            outs = interpret.bind(eqn, cast)
+            outs = _bind_widened(eqn, cast, in_avals)
             return outs, [_KEPT if casting.is_float_dtype(o.dtype) and o.dtype.itemsize >= 4
                           else _PLAIN for o in outs]
 
@@ -261,7 +265,7 @@ class Autocast(interpret.Interpreter):
         cast = list(invals)
         for i in floats:
             cast[i] = self.cast(cast[i], casting.wide_dtype(in_avals[i].dtype))
-        outs = interpret.bind(eqn, cast)
+        outs = _bind_widened(eqn, cast, in_avals)
         float_kinds = [kinds[i] for i in floats]
         stat_like, any_stat = _statistics(invals, kinds, floats)
         if name in _REDUCTIONS or (stat_like and any_stat):
@@ -299,6 +303,15 @@ class Autocast(interpret.Interpreter):
         cast = list(invals)
         for i in floats:
             cast[i] = self.cast(cast[i], target)
+        if (eqn.primitive.name in _SUMMED_BACKWARD and casting.is_narrow_dtype(target)
+                and not compat.some_params(eqn, ("unique_indices",)).get("unique_indices")):
+            # Its transpose sums cotangents (a gather's is a scatter-add). Run on float32
+            # operands and narrowed back (exact), it has JAX sum them in float32, like a
+            # sum's operands, and narrow the sum once.
+            wide = [self.cast(x, casting.wide_dtype(target)) if i in floats else x
+                    for i, x in enumerate(cast)]
+            return ([self.cast(o, target) for o in interpret.bind(eqn, wide)],
+                    [_PLAIN] * len(eqn.outvars))
         outs = interpret.bind(eqn, cast)
         if not kept:
             return outs, [_PLAIN] * len(eqn.outvars)
@@ -349,6 +362,21 @@ class Autocast(interpret.Interpreter):
                               or (b == _INV and a not in (_STAT, _INV))):
             return _PLAIN
         return _KEPT
+
+
+def _bind_widened(eqn, cast, in_avals) -> list:
+    """``eqn`` bound on ``cast``, its floating operands widened from ``in_avals``' dtypes.
+
+    A scatter's combiner is a jaxpr typed for the dtype it was traced in: a
+    widened scatter-add is built afresh by ``jax.lax`` for its new dtype.
+    """
+    name = eqn.primitive.name
+    if name not in _SCATTERS or all(x.dtype == a.dtype for x, a in zip(cast, in_avals)):
+        return interpret.bind(eqn, cast)
+    params = compat.some_params(
+        eqn, ("dimension_numbers", "indices_are_sorted", "unique_indices", "mode"))
+    with interpret.at_source_of(eqn):
+        return [_SCATTERS[name](*cast, **params)]
 
 
 def _statistics(invals, kinds, floats) -> tuple[bool, bool]:
