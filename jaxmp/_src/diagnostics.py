@@ -21,6 +21,7 @@ import numpy as np
 from jaxmp._src import casting
 from jaxmp._src import gpu_program
 from jaxmp._src import host
+from jaxmp._src import in_place
 from jaxmp._src import jaxprs
 from jaxmp._src import lowered_flops
 
@@ -65,6 +66,8 @@ def saved_activation_bytes(
     casting.check_function(fn, "jaxmp.debug.saved_activation_bytes",
                            "saved_activation_bytes(fn, *args, argnums=0, has_aux=False)")
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    # NNX modules as their state (in place), so that a module that is not a pytree counts too.
+    fn, args, kwargs = in_place.functional(fn, args, kwargs, returns_state=False)
 
     def residuals(*call_args, **call_kwargs):
         diff, rebuild = jaxprs.at_positions(call_args, nums)
@@ -155,10 +158,13 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", target: Any =
     casting.check_function(fn, "jaxmp.debug.matmul_flops", "matmul_flops(fn, *args, **kwargs)")
     if target is not None:
         return gpu_program.gpu_program(fn, *args, target=target, **kwargs).matmul_flops()
-    call, dynamic = jaxprs.array_function(fn, args, kwargs)
+    call, dynamic = in_place.array_function(fn, args, kwargs)  # in-place updates count
     with host.no_host_callbacks():  # host callbacks cannot be lowered for another platform
-        lowered = jax.jit(call).trace(_unplaced(dynamic)).lower(lowering_platforms=(platform,))
-    return lowered_flops.module_flops(lowered.as_text())
+        traced = jax.jit(call).trace(_unplaced(dynamic))
+        lowered = traced.lower(lowering_platforms=(platform,))
+    totals = lowered_flops.module_flops(lowered.as_text())
+    in_place.refuse_if_uncounted(traced.jaxpr, sum(totals.values()), "jaxmp.debug.matmul_flops")
+    return totals
 
 
 def half_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", target: Any = None,

@@ -23,6 +23,7 @@ from jaxmp._src import casting
 from jaxmp._src import census
 from jaxmp._src import compat
 from jaxmp._src import float8
+from jaxmp._src import in_place
 from jaxmp._src import jaxprs
 from jaxmp._src import lowered_flops
 from jaxmp._src import messages
@@ -584,8 +585,11 @@ def precision_report(fn: Callable, *args: Any, compute_dtype: Any = None,
     if matmul_dtype is not None:
         matmul = float8.check_matmul_dtype(matmul_dtype, compute if compute is not None
                                            else np.dtype("float32"))
-    call, dynamic = jaxprs.array_function(fn, args, kwargs)
-    report = _report(jax.make_jaxpr(call)(dynamic), compute, matmul)
+    call, dynamic = in_place.array_function(fn, args, kwargs)  # in-place updates count
+    closed = jax.make_jaxpr(call)(dynamic)
+    report = _report(closed, compute, matmul)
+    in_place.refuse_if_uncounted(closed, sum(report.totals.values()),
+                                 "jaxmp.debug.precision_report")
     if target is None:
         return report
     from jaxmp._src import gpu_program  # pylint: disable=import-outside-toplevel
