@@ -117,8 +117,11 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", target: Any =
     ``fn`` is traced with the given arguments and lowered to StableHLO for
     ``platform`` (no such device is needed: lowering for ``"cuda"`` works on a
     CPU-only machine). Each ``dot_general`` and ``convolution`` contributes
-    ``2 * multiply-adds`` under the name of its operand dtype, or ``"mixed"``
-    when its two operands differ; a product of two different float8 formats
+    ``2 * multiply-adds`` under the name of its operand dtype. Two different
+    operand dtypes (a float32 cotangent times a bfloat16 activation) are
+    converted to the product's result dtype by JAX's lowering for CPU and GPU,
+    and count under it (``"mixed"`` with ``platform="tpu"``, which keeps
+    them); a product of two different float8 formats
     (the backward products of ``autocast(..., matmul_dtype=...)``) is
     counted under both names joined by ``+``
     (``"float8_e4m3fn+float8_e5m2"``). The block-scaled dots of
@@ -130,6 +133,13 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", target: Any =
     ``jit`` counts every step. The body of a loop whose trip count is not
     fixed when traced (``lax.while_loop``, unless it counts from 0 to a
     constant by 1) counts once.
+
+    What a step does counts, not only what it returns: the Flax NNX modules
+    and ``nnx.Optimizer`` among the arguments are traced as their state and
+    their in-place updates as outputs (a step that updates them and returns
+    nothing, or the loss alone, counts its backward pass and update too). A
+    function whose every product is dead code (its results kept in a dict or
+    an object it closes over) raises a ``ValueError`` that says to return them.
 
     Args:
         fn: any function, e.g. a whole training step.

@@ -814,7 +814,9 @@ def gpu_program(fn: Callable, *args: Any, target: str | GpuTarget = "h100",
     hold) for the target through JAX's CUDA plugin (deviceless
     ahead-of-time compilation, XLA's default settings, no autotuning) and the
     optimized program is read: see :class:`GpuProgram`. ``str()`` of the result
-    is a readable census.
+    is a readable census. Flax NNX modules and an ``nnx.Optimizer`` among the
+    arguments are compiled as their state, with their in-place updates as
+    outputs (as ``nnx.jit`` does).
 
     Args:
         fn: the function, e.g. a whole training step.

@@ -91,8 +91,7 @@ class LayerFlops(NamedTuple):
             name at all).
         phase: ``"forward"`` or ``"backward"``.
         flops: FLOPs by operand dtype, as :func:`jaxmp.debug.matmul_flops` names them
-            (``"bfloat16"``, ``"float32"``, ``"float8_e4m3fn+float8_e5m2"``,
-            ``"mixed"``...).
+            (``"bfloat16"``, ``"float32"``, ``"float8_e4m3fn+float8_e5m2"``...).
     """
 
     layer: str
@@ -302,8 +301,10 @@ def layer_path(name_stack: str) -> str:
 
 
 def _dtype_key(eqn) -> str:
-    """The operand dtype key of a product, as :func:`jaxmp.debug.matmul_flops` names it."""
-    return lowered_flops.product_key(*(np.dtype(v.aval.dtype).name for v in eqn.invars[:2]))
+    """The operand dtype key of a product, as :func:`jaxmp.debug.matmul_flops` names it: the
+    dtype it runs in (its result dtype, when JAX converts two different operands to it)."""
+    return lowered_flops.product_key(*(np.dtype(v.aval.dtype).name
+                                       for v in (*eqn.invars[:2], eqn.outvars[0])))
 
 
 def _in_requested(key: str, compute: np.dtype | None, matmul: np.dtype | None) -> bool:
@@ -528,7 +529,9 @@ def precision_report(fn: Callable, *args: Any, compute_dtype: Any = None,
     is the transpose of a forward one; it keeps the forward product's names).
     FLOPs are ``2 *`` multiply-adds, by operand dtype as
     :func:`jaxmp.debug.matmul_flops` names them, with the same totals: a
-    ``scan``'s body (and a counted ``while`` loop's) once per iteration.
+    ``scan``'s body (and a counted ``while`` loop's) once per iteration, and
+    the in-place updates of Flax NNX modules and an ``nnx.Optimizer`` passed
+    as arguments whatever the step returns.
 
     Each product not in the requested precision is listed with the line of
     your code it comes from and why: kept by your :class:`jaxmp.experimental.Float8Rules`;
