@@ -240,3 +240,130 @@ def test_flop_tools_and_saved_bytes_take_none_functions_and_strings_in_and_out()
                                                   tree, x, has_aux=True)
     assert saved == with_aux == jaxmp.debug.saved_activation_bytes(
         lambda t, x: tree["act"](x @ t["w"]), tree, x) > 0
+
+
+# --- Steps that update their state in place (Flax NNX) ------------------------------------------
+
+
+def _nnx_steps(**grad_options):
+    """A Flax NNX MLP and nnx.Optimizer, and one training step written four ways: in place
+    returning nothing, in place returning the loss (both as the NNX docs write them, under
+    nnx.jit), the latter not jitted, and functionally (nnx.split once, optax, the new state
+    returned)."""
+    nnx = pytest.importorskip("flax.nnx")
+    optax = pytest.importorskip("optax")
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(32, 64, rngs=rngs)
+            self.out = nnx.Linear(64, 32, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(nnx.relu(self.hidden(x)))
+
+    model = MLP(nnx.Rngs(0))
+    tx = optax.adam(1e-2)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    def loss_fn(params, graphdef, x, y):
+        logits = nnx.merge(graphdef, params)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    grad_fn = jaxmp.mp_value_and_grad(loss_fn, compute_dtype=jnp.bfloat16, **grad_options)
+
+    def apply(optimizer, model, grads):
+        optimizer.update(model, grads)
+
+    def in_place(model, optimizer, x, y):
+        graphdef, params = nnx.split(model, nnx.Param)
+        loss, grads, _, finite = grad_fn(params, graphdef, x, y, scaler_state=jaxmp.noop_scaler())
+        nnx.cond(finite, apply, lambda *_: None, optimizer, model, grads)
+        return loss
+
+    @nnx.jit
+    def returns_nothing(model, optimizer, x, y):
+        in_place(model, optimizer, x, y)
+
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    @jax.jit
+    def functional(params, opt_state, x, y):
+        loss, grads, _, _ = grad_fn(params, graphdef, x, y, scaler_state=jaxmp.noop_scaler())
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    x, y = jnp.ones((32, 32)), jnp.arange(32) % 32
+    steps = {"nothing": (returns_nothing, (model, optimizer, x, y)),
+             "loss": (nnx.jit(in_place), (model, optimizer, x, y)),
+             "loss, not jitted": (in_place, (model, optimizer, x, y)),
+             "functional": (functional, (params, tx.init(params), x, y))}
+    return steps, model
+
+
+# Forward 2*32*(32*64 + 64*32); backward both weight gradients and the hidden layer's input
+# gradient (x is not differentiated): three times 2*32*32*64.
+_NNX_STEP_FLOPS = 2 * 131072 + 3 * 131072
+_NNX_TOOLS = {
+    "matmul_flops": jaxmp.debug.matmul_flops,
+    "precision_report": lambda *a: jaxmp.debug.precision_report(*a).totals,
+    "half_matmul_flop_share": jaxmp.debug.half_matmul_flop_share,
+    "float8_matmul_flop_share": jaxmp.debug.float8_matmul_flop_share,
+}
+
+
+@pytest.mark.usefixtures("standard_promotion")  # optax's Adam adds int32 counts to floats
+@pytest.mark.parametrize("returns", ["nothing", "loss", "loss, not jitted"])
+@pytest.mark.parametrize("tool", sorted(_NNX_TOOLS))
+def test_flop_tools_count_an_nnx_step_that_updates_in_place(tool, returns):
+    # Before: {} for the step that returns nothing, the forward pass alone for the other.
+    options = {"matmul_dtype": jnp.float8_e4m3fn} if tool.startswith("float8") else {}
+    steps, model = _nnx_steps(**options)
+    kernel = model.hidden.kernel[...]
+    counted = _NNX_TOOLS[tool](*steps[returns][0:1], *steps[returns][1])
+    assert counted == _NNX_TOOLS[tool](steps["functional"][0], *steps["functional"][1])
+    if tool in ("matmul_flops", "precision_report"):
+        assert counted == {"bfloat16": _NNX_STEP_FLOPS}
+    else:
+        assert counted == 1.0
+    assert model.hidden.kernel[...] is kernel  # the model is not updated, nor left with tracers
+
+
+def test_saved_bytes_of_an_nnx_module_that_is_not_a_pytree():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Layer(nnx.Module, pytree=False):  # a leaf to JAX: before, closed over and 0 bytes
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(16, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return jnp.tanh(self.linear(x))
+
+    layer, x = Layer(nnx.Rngs(0)), jnp.ones((4, 16))
+    saved = jaxmp.debug.saved_activation_bytes(lambda m, x: jnp.sum(m(x)), layer, x)
+    w = {"w": layer.linear.kernel[...], "b": layer.linear.bias[...]}
+    assert saved == jaxmp.debug.saved_activation_bytes(
+        lambda w, x: jnp.sum(jnp.tanh(x @ w["w"] + w["b"])), w, x) > 0
+
+
+@pytest.mark.parametrize("tool", ["matmul_flops", "precision_report"])
+def test_flop_tools_refuse_a_step_that_keeps_its_results_in_python_state(tool):
+    state = {}
+
+    def step(w, x):  # updates a dict it closes over, returns nothing: every product is dead
+        state["w"] = w - 0.1 * jax.grad(lambda w: jnp.sum((x @ w) ** 2))(w)
+
+    with pytest.raises(ValueError, match="counted no FLOPs.*must return that state"):
+        getattr(jaxmp.debug, tool)(step, jnp.ones((8, 8)), jnp.ones((4, 8)))
+
+
+@pytest.mark.gpu_program
+@pytest.mark.usefixtures("standard_promotion")
+def test_gpu_program_counts_an_nnx_step_that_updates_in_place():
+    from jaxmp._src import gpu_program  # pylint: disable=import-outside-toplevel
+    if not gpu_program.plugin_installed():
+        pytest.skip("needs JAX's CUDA plugin: pip install -e '.[gpu-compile]'")
+    steps, _ = _nnx_steps()
+    step, args = steps["loss, not jitted"]  # before: the forward pass alone
+    program = jaxmp.debug.gpu_program(step, *args, target="h100")
+    assert program.requested_flops == {"bfloat16": _NNX_STEP_FLOPS}
+    assert sum(program.matmul_flops().values()) == _NNX_STEP_FLOPS

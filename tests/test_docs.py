@@ -37,6 +37,7 @@ PAGES = {
     "float8.md": ["getting_started.md"],
     "one_jit.md": [],
     "inference.md": ["getting_started.md"],
+    "nnx.md": [],
     "index.md": [],
 }
 # Pages whose code a test file of their own runs and checks, as user code (under

@@ -20,6 +20,15 @@ def test_operand_dtypes_name_the_key():
     assert not lowered_flops.is_float8_key("mixed")
 
 
+def test_a_product_read_from_a_jaxpr_counts_in_its_result_dtype_when_its_operands_differ():
+    # What JAX's lowering for CPU and GPU converts both operands to (two float8 formats stay).
+    assert lowered_flops.product_key("float32", "bfloat16", "float32") == "float32"
+    assert lowered_flops.product_key("float16", "float32", "float16") == "float16"
+    assert lowered_flops.product_key("bfloat16", "bfloat16", "float32") == "bfloat16"
+    assert lowered_flops.product_key("float8_e5m2", "float8_e4m3fn", "bfloat16") == (
+        "float8_e4m3fn+float8_e5m2")
+
+
 def test_only_products_count():
     assert lowered_flops.module_flops("%3 = stablehlo.add %1, %2 : tensor<2xf32>") == {}
 

@@ -232,3 +232,23 @@ def test_the_page_prints_what_it_shows():
     with contextlib.redirect_stdout(printed):
         exec(compile("".join(blocks), "train.py", "exec"), {"__name__": "train"})
     assert printed.getvalue() == "".join(shown)
+
+
+def test_a_product_of_two_operand_dtypes_counts_in_the_dtype_it_runs_in():
+    # autocast=False: the first product returns float32 (preferred_element_type), so the
+    # gradient of its weight multiplies a float32 cotangent by the bfloat16 input. JAX lowers it
+    # with both operands converted to float32, as matmul_flops counts it; the report said
+    # "mixed".
+    def loss(params, x):
+        h = jnp.tanh(jnp.dot(x, params["w1"], preferred_element_type=jnp.float32))
+        return jnp.mean(h.astype(x.dtype) @ params["w2"])
+
+    params, x = {"w1": jnp.ones((16, 32)), "w2": jnp.ones((32, 4))}, jnp.ones((8, 16))
+    grad_fn = jaxmp.mp_value_and_grad(loss, compute_dtype=jnp.bfloat16, autocast=False)
+    step = jax.jit(lambda p, x: grad_fn(p, x, scaler_state=jaxmp.noop_scaler()))
+    report = jaxmp.debug.precision_report(step, params, x, compute_dtype=jnp.bfloat16)
+    first, second = 2 * 8 * 16 * 32, 2 * 8 * 32 * 4
+    assert report.totals == jaxmp.debug.matmul_flops(step, params, x) == {
+        "bfloat16": first + 3 * second, "float32": first}
+    (wide,) = report.wider
+    assert (wide.phase, wide.dtype, wide.flops) == ("backward", "float32", first)

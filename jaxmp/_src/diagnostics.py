@@ -21,6 +21,7 @@ import numpy as np
 from jaxmp._src import casting
 from jaxmp._src import gpu_program
 from jaxmp._src import host
+from jaxmp._src import in_place
 from jaxmp._src import jaxprs
 from jaxmp._src import lowered_flops
 
@@ -65,6 +66,8 @@ def saved_activation_bytes(
     casting.check_function(fn, "jaxmp.debug.saved_activation_bytes",
                            "saved_activation_bytes(fn, *args, argnums=0, has_aux=False)")
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    # NNX modules as their state (in place), so that a module that is not a pytree counts too.
+    fn, args, kwargs = in_place.functional(fn, args, kwargs, returns_state=False)
 
     def residuals(*call_args, **call_kwargs):
         diff, rebuild = jaxprs.at_positions(call_args, nums)
@@ -114,8 +117,11 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", target: Any =
     ``fn`` is traced with the given arguments and lowered to StableHLO for
     ``platform`` (no such device is needed: lowering for ``"cuda"`` works on a
     CPU-only machine). Each ``dot_general`` and ``convolution`` contributes
-    ``2 * multiply-adds`` under the name of its operand dtype, or ``"mixed"``
-    when its two operands differ; a product of two different float8 formats
+    ``2 * multiply-adds`` under the name of its operand dtype. Two different
+    operand dtypes (a float32 cotangent times a bfloat16 activation) are
+    converted to the product's result dtype by JAX's lowering for CPU and GPU,
+    and count under it (``"mixed"`` with ``platform="tpu"``, which keeps
+    them); a product of two different float8 formats
     (the backward products of ``autocast(..., matmul_dtype=...)``) is
     counted under both names joined by ``+``
     (``"float8_e4m3fn+float8_e5m2"``). The block-scaled dots of
@@ -127,6 +133,13 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", target: Any =
     ``jit`` counts every step. The body of a loop whose trip count is not
     fixed when traced (``lax.while_loop``, unless it counts from 0 to a
     constant by 1) counts once.
+
+    What a step does counts, not only what it returns: the Flax NNX modules
+    and ``nnx.Optimizer`` among the arguments are traced as their state and
+    their in-place updates as outputs (a step that updates them and returns
+    nothing, or the loss alone, counts its backward pass and update too). A
+    function whose every product is dead code (its results kept in a dict or
+    an object it closes over) raises a ``ValueError`` that says to return them.
 
     Args:
         fn: any function, e.g. a whole training step.
@@ -155,10 +168,13 @@ def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", target: Any =
     casting.check_function(fn, "jaxmp.debug.matmul_flops", "matmul_flops(fn, *args, **kwargs)")
     if target is not None:
         return gpu_program.gpu_program(fn, *args, target=target, **kwargs).matmul_flops()
-    call, dynamic = jaxprs.array_function(fn, args, kwargs)
+    call, dynamic = in_place.array_function(fn, args, kwargs)  # in-place updates count
     with host.no_host_callbacks():  # host callbacks cannot be lowered for another platform
-        lowered = jax.jit(call).trace(_unplaced(dynamic)).lower(lowering_platforms=(platform,))
-    return lowered_flops.module_flops(lowered.as_text())
+        traced = jax.jit(call).trace(_unplaced(dynamic))
+        lowered = traced.lower(lowering_platforms=(platform,))
+    totals = lowered_flops.module_flops(lowered.as_text())
+    in_place.refuse_if_uncounted(traced.jaxpr, sum(totals.values()), "jaxmp.debug.matmul_flops")
+    return totals
 
 
 def half_matmul_flop_share(fn: Callable, *args: Any, platform: str = "cuda", target: Any = None,

@@ -830,7 +830,9 @@ def gpu_program(fn: Callable, *args: Any, target: str | GpuTarget = "h100",
     hold) for the target through JAX's CUDA plugin (deviceless
     ahead-of-time compilation, XLA's default settings, no autotuning) and the
     optimized program is read: see :class:`GpuProgram`. ``str()`` of the result
-    is a readable census.
+    is a readable census. Flax NNX modules and an ``nnx.Optimizer`` among the
+    arguments are compiled as their state, with their in-place updates as
+    outputs (as ``nnx.jit`` does).
 
     Args:
         fn: the function, e.g. a whole training step.
@@ -862,6 +864,7 @@ def gpu_program(fn: Callable, *args: Any, target: str | GpuTarget = "h100",
     import jax  # pylint: disable=import-outside-toplevel
     from jaxmp._src import jaxprs  # pylint: disable=import-outside-toplevel
     from jaxmp._src import host  # pylint: disable=import-outside-toplevel
+    from jaxmp._src import in_place  # pylint: disable=import-outside-toplevel
 
     spec = get_target(target)
     mesh = _mesh(spec.config, spec.name)
@@ -870,15 +873,21 @@ def gpu_program(fn: Callable, *args: Any, target: str | GpuTarget = "h100",
     def placed(x):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
 
+    # NNX modules and optimizers among the arguments: their in-place updates are outputs.
+    pure, args, kwargs = in_place.functional(fn, args, kwargs)
     with host.no_host_callbacks():  # host callbacks cannot be compiled for another platform
-        if hasattr(fn, "trace") and hasattr(fn, "lower"):  # already jitted: keep its options
+        if pure is fn and hasattr(fn, "trace") and hasattr(fn, "lower"):
+            # Already jitted: keep its options.
             dynamic = jax.tree_util.tree_map(
                 lambda x: placed(x) if jaxprs.is_dynamic(x) else x, (args, kwargs))
-            lowered = fn.trace(*dynamic[0], **dynamic[1]).lower()
+            traced = fn.trace(*dynamic[0], **dynamic[1])
         else:
-            call, dynamic = jaxprs.array_function(fn, args, kwargs)
-            lowered = jax.jit(call).trace(jax.tree_util.tree_map(placed, dynamic)).lower()
+            call, dynamic = jaxprs.array_function(pure, args, kwargs)
+            traced = jax.jit(call).trace(jax.tree_util.tree_map(placed, dynamic))
+        lowered = traced.lower()
     stablehlo = lowered.as_text()
+    requested = lowered_flops.module_flops(stablehlo)
+    in_place.refuse_if_uncounted(traced.jaxpr, sum(requested.values()), "jaxmp.debug.gpu_program")
     key = (hashlib.sha256(stablehlo.encode()).hexdigest(), spec.config)
     if key in _COMPILED:
         _COMPILED.move_to_end(key)
@@ -888,8 +897,7 @@ def gpu_program(fn: Callable, *args: Any, target: str | GpuTarget = "h100",
         memory = compiled.memory_analysis()
         program = GpuProgram.from_hlo(compiled.as_text(), spec,
                                       temp_bytes=getattr(memory, "temp_size_in_bytes", None))
-        program = dataclasses.replace(program,
-                                      requested_flops=lowered_flops.module_flops(stablehlo))
+        program = dataclasses.replace(program, requested_flops=requested)
         _COMPILED[key] = program
         while len(_COMPILED) > _COMPILED_SIZE:
             _COMPILED.popitem(last=False)

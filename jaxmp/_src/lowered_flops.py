@@ -216,17 +216,21 @@ def _op_flops(line: str) -> tuple[str, int] | None:
     return product_key(_dtype_name(lhs_t), _dtype_name(rhs_t)), 2 * macs
 
 
-def product_key(lhs: str, rhs: str) -> str:
+def product_key(lhs: str, rhs: str, out: str | None = None) -> str:
     """The key a product of operand dtypes ``lhs`` and ``rhs`` (NumPy names) is counted under.
 
     The dtype when both agree; two float8 formats (e4m3 weights times an e5m2
-    cotangent) joined by ``+``, one float8 product; else ``"mixed"``.
+    cotangent) joined by ``+``, one float8 product; else ``"mixed"``, or, for
+    a product read from a jaxpr, its result dtype ``out``: JAX lowers a
+    ``dot_general`` of two different operand dtypes for CPU and GPU with both
+    converted to its result dtype (a float32 cotangent times a bfloat16
+    activation runs in float32), which is what the lowered text shows.
     """
     if lhs == rhs:
         return lhs
     if _is_float8_name(lhs) and _is_float8_name(rhs):
         return "+".join(sorted((lhs, rhs)))
-    return "mixed"
+    return "mixed" if out is None else out
 
 
 def _is_float8_name(name: str) -> bool:

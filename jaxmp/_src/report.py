@@ -23,6 +23,7 @@ from jaxmp._src import casting
 from jaxmp._src import census
 from jaxmp._src import compat
 from jaxmp._src import float8
+from jaxmp._src import in_place
 from jaxmp._src import jaxprs
 from jaxmp._src import lowered_flops
 from jaxmp._src import messages
@@ -90,8 +91,7 @@ class LayerFlops(NamedTuple):
             name at all).
         phase: ``"forward"`` or ``"backward"``.
         flops: FLOPs by operand dtype, as :func:`jaxmp.debug.matmul_flops` names them
-            (``"bfloat16"``, ``"float32"``, ``"float8_e4m3fn+float8_e5m2"``,
-            ``"mixed"``...).
+            (``"bfloat16"``, ``"float32"``, ``"float8_e4m3fn+float8_e5m2"``...).
     """
 
     layer: str
@@ -301,8 +301,10 @@ def layer_path(name_stack: str) -> str:
 
 
 def _dtype_key(eqn) -> str:
-    """The operand dtype key of a product, as :func:`jaxmp.debug.matmul_flops` names it."""
-    return lowered_flops.product_key(*(np.dtype(v.aval.dtype).name for v in eqn.invars[:2]))
+    """The operand dtype key of a product, as :func:`jaxmp.debug.matmul_flops` names it: the
+    dtype it runs in (its result dtype, when JAX converts two different operands to it)."""
+    return lowered_flops.product_key(*(np.dtype(v.aval.dtype).name
+                                       for v in (*eqn.invars[:2], eqn.outvars[0])))
 
 
 def _in_requested(key: str, compute: np.dtype | None, matmul: np.dtype | None) -> bool:
@@ -527,7 +529,9 @@ def precision_report(fn: Callable, *args: Any, compute_dtype: Any = None,
     is the transpose of a forward one; it keeps the forward product's names).
     FLOPs are ``2 *`` multiply-adds, by operand dtype as
     :func:`jaxmp.debug.matmul_flops` names them, with the same totals: a
-    ``scan``'s body (and a counted ``while`` loop's) once per iteration.
+    ``scan``'s body (and a counted ``while`` loop's) once per iteration, and
+    the in-place updates of Flax NNX modules and an ``nnx.Optimizer`` passed
+    as arguments whatever the step returns.
 
     Each product not in the requested precision is listed with the line of
     your code it comes from and why: kept by your :class:`jaxmp.experimental.Float8Rules`;
@@ -584,8 +588,11 @@ def precision_report(fn: Callable, *args: Any, compute_dtype: Any = None,
     if matmul_dtype is not None:
         matmul = float8.check_matmul_dtype(matmul_dtype, compute if compute is not None
                                            else np.dtype("float32"))
-    call, dynamic = jaxprs.array_function(fn, args, kwargs)
-    report = _report(jax.make_jaxpr(call)(dynamic), compute, matmul)
+    call, dynamic = in_place.array_function(fn, args, kwargs)  # in-place updates count
+    closed = jax.make_jaxpr(call)(dynamic)
+    report = _report(closed, compute, matmul)
+    in_place.refuse_if_uncounted(closed, sum(report.totals.values()),
+                                 "jaxmp.debug.precision_report")
     if target is None:
         return report
     from jaxmp._src import gpu_program  # pylint: disable=import-outside-toplevel
