@@ -852,7 +852,7 @@ def gpu_program(fn: Callable, *args: Any, target: str | GpuTarget = "h100",
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def placed(x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+        return jaxprs.shape_dtype(x, sharding=replicated)
 
     with host.no_host_callbacks():  # host callbacks cannot be compiled for another platform
         if hasattr(fn, "trace") and hasattr(fn, "lower"):  # already jitted: keep its options

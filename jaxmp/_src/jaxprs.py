@@ -15,8 +15,9 @@ rather than writing its own:
   :func:`dot_transposes` (the two backward products of a ``dot_general``);
 * the leaf partition: :func:`over_arrays` (a function of the array leaves of
   its arguments, the rest closed over: what is traced, lowered or
-  differentiated) and :func:`at_positions` (the leaves of some arguments
-  only, and how to put them back).
+  differentiated), :func:`at_positions` (the leaves of some arguments
+  only, and how to put them back) and :func:`shape_dtype` (a leaf's shape and
+  dtype as ``jit`` traces it).
 """
 
 from __future__ import annotations
@@ -267,6 +268,31 @@ def is_dynamic(x: Any) -> bool:
     measures of :mod:`jaxmp.debug` (:func:`jaxmp.debug.gpu_program` too); any other leaf is
     closed over."""
     return casting.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def shape_dtype(x: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of the array leaf ``x`` as ``jax.jit`` traces it.
+
+    ``jax.jit`` traces a NumPy ``int64`` (``float64``) leaf, such as the
+    ``np.arange`` indices of a graph batch, as ``int32`` (``float32``) unless
+    x64 is enabled, silently; ``jax.ShapeDtypeStruct(x.shape, x.dtype)`` would
+    ask for ``int64`` and JAX would warn that it truncates. Every tool that
+    stands a leaf's shape and dtype in for it uses this, and says what ``jit``
+    says: nothing.
+
+    Args:
+        x: an array (JAX or NumPy) or a ``jax.ShapeDtypeStruct``.
+        sharding: the sharding to give it (default: none).
+
+    Examples:
+        >>> import numpy as np
+        >>> shape_dtype(np.arange(3)).dtype  # without jax_enable_x64
+        dtype('int32')
+    """
+    dtype = x.dtype
+    if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # typed PRNG keys stay
+        dtype = jax.dtypes.canonicalize_dtype(dtype)
+    return jax.ShapeDtypeStruct(x.shape, dtype, sharding=sharding)
 
 
 def array_leaves(tree: PyTree) -> list:
