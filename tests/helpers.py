@@ -10,6 +10,7 @@ A helper lives here only when the files that use it need exactly the same thing;
 
 import doctest
 import inspect
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -94,3 +95,75 @@ def examples_of(name):
 def public_examples():
     """``(test name, docstring)`` of every public name's examples (tests/test_docstrings.py)."""
     return [pair for name in sorted(public_names()) for pair in examples_of(name)]
+
+
+class GraphsTuple(NamedTuple):
+    """A batch of graphs laid out as jraph lays it out (jraph itself is not a dependency)."""
+
+    nodes: Any
+    edges: Any
+    senders: Any
+    receivers: Any
+    globals: Any
+    n_node: Any
+    n_edge: Any
+
+
+def graph_batch(seed: int = 0) -> GraphsTuple:
+    """Two graphs of 4 and 6 nodes and 10 edges each, as NumPy arrays: float32 features, and
+    NumPy's default ``int64`` indices and counts (``np.arange``-style), no globals."""
+    rng = np.random.default_rng(seed)
+    n_node, n_edge = np.array([4, 6]), np.array([10, 10])
+    return GraphsTuple(nodes=rng.normal(size=(10, 8)).astype(np.float32),
+                       edges=rng.normal(size=(20, 4)).astype(np.float32),
+                       senders=rng.integers(0, 10, 20), receivers=np.arange(20) % 10,
+                       globals=None, n_node=n_node, n_edge=n_edge)
+
+
+def _graph_net(graph: GraphsTuple):
+    """One round of message passing on ``graph`` (edges, then nodes, then globals), then a
+    linear read-out per graph: the global update's MLP holds most of the FLOPs."""
+    import haiku as hk  # pylint: disable=import-outside-toplevel
+    sent, received = graph.nodes[graph.senders], graph.nodes[graph.receivers]
+    edges = hk.Linear(8)(jnp.concatenate([graph.edges, sent, received], -1))
+    n = graph.nodes.shape[0]
+    nodes = hk.Linear(8)(jnp.concatenate(
+        [graph.nodes, jax.ops.segment_sum(edges, graph.receivers, num_segments=n)], -1))
+    n_graph = graph.n_node.shape[0]
+    node_graph = jnp.repeat(jnp.arange(n_graph), graph.n_node, total_repeat_length=n)
+    pooled = jax.ops.segment_sum(nodes, node_graph, num_segments=n_graph)
+    glob = hk.Linear(64)(jnp.concatenate([graph.globals, pooled], -1))
+    return hk.Linear(1)(jax.nn.relu(hk.Linear(64)(jax.nn.relu(glob))))
+
+
+def _graph_model(graph: GraphsTuple):
+    """Embeds the features, then runs the net with zero globals made inside the model."""
+    import haiku as hk  # pylint: disable=import-outside-toplevel
+    graph = graph._replace(globals=jnp.zeros((graph.n_node.shape[0], 64)))
+    embedded = graph._replace(nodes=hk.Linear(8)(graph.nodes), edges=hk.Linear(8)(graph.edges))
+    return _graph_net(embedded)
+
+
+def graph_net():
+    """``(loss, params, state, graph, targets)``: a Haiku ``transform_with_state`` graph net,
+    jraph-style, whose model makes its float32 globals itself (``jnp.zeros``), and its mean
+    square error (with the updated state as ``aux``) on :func:`graph_batch`; the parameters
+    and state as shapes (``jax.ShapeDtypeStruct``), to trace with."""
+    import haiku as hk  # pylint: disable=import-outside-toplevel
+    model = hk.transform_with_state(_graph_model)
+    graph = graph_batch()
+    params, state = jax.eval_shape(model.init, jax.random.key(0), graph)  # nothing compiled
+
+    def loss(params, state, graph, targets):
+        out, state = model.apply(params, state, None, graph)
+        return jnp.mean((out - targets) ** 2), state
+
+    return loss, params, state, graph, np.linspace(-1, 1, 2, dtype=np.float32)[:, None]
+
+
+def graph_zeros_line() -> str:
+    """Where :func:`graph_net`'s model makes its float32 globals (``jnp.zeros``), as jaxmp's
+    messages name a line: ``helpers.py:<line> (_graph_model)``."""
+    lines, first = inspect.getsourcelines(_graph_model)
+    return f"helpers.py:{first + next(i for i, t in enumerate(lines) if 'jnp.zeros(' in t)} " \
+           "(_graph_model)"

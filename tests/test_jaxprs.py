@@ -2,6 +2,7 @@
 the dot_general transposes and the leaf partition that every tool uses."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from jaxmp._src import census
 from jaxmp._src import compat
 from jaxmp._src import float8
 from jaxmp._src import jaxprs
+from tests import helpers
 
 W, X = jnp.ones((8, 8)), jnp.ones((4, 8))
 ONE = 2 * 4 * 8 * 8  # the FLOPs of one X @ W
@@ -232,3 +234,54 @@ def test_the_public_flop_counters_agree_on_loops(loss, trips):
     want = {"bfloat16": trips * 3 * ONE}
     assert jaxmp.debug.matmul_flops(step, W, X, scaler_state=state) == want
     assert jaxmp.debug.precision_report(step, W, X, scaler_state=state).totals == want
+
+
+def test_shape_dtype_is_the_leaf_as_jit_traces_it():
+    # NumPy's int64 and float64 become int32 and float32 without x64, silently, as under jit.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [jaxprs.shape_dtype(x) for x in (np.arange(3), np.ones(2), W, jnp.ones(2, jnp.int8))]
+    assert [(s.shape, s.dtype) for s in got] == [
+        ((3,), jnp.int32), ((2,), jnp.float32), ((8, 8), jnp.float32), ((2,), jnp.int8)]
+    assert not caught
+    key = jaxprs.shape_dtype(jax.random.key(0))  # a typed PRNG key keeps its dtype
+    assert key.dtype == jax.random.key(0).dtype
+
+
+def _edge_loss(w, batch):
+    """A message-passing loss: features gathered by ``senders``, summed by ``receivers``."""
+    messages = jnp.tanh(batch["nodes"][batch["senders"]] @ w)
+    nodes = jax.ops.segment_sum(messages, batch["receivers"], num_segments=W.shape[0])
+    return jnp.mean(nodes ** 2)
+
+
+# A jraph-style batch: float32 features and NumPy's default int64 indices (np.arange).
+_EDGES = {"nodes": np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8),
+          "senders": np.arange(10) % 8, "receivers": np.arange(10)[::-1] % 8}
+_TOOLS = {
+    "matmul_flops": lambda b: jaxmp.debug.matmul_flops(_edge_loss, W, b),
+    "half_matmul_flop_share": lambda b: jaxmp.debug.half_matmul_flop_share(_edge_loss, W, b),
+    "float8_matmul_flop_share": lambda b: jaxmp.debug.float8_matmul_flop_share(_edge_loss, W, b),
+    "saved_activation_bytes": lambda b: jaxmp.debug.saved_activation_bytes(_edge_loss, W, b),
+    "precision_report": lambda b: jaxmp.debug.precision_report(_edge_loss, W, b).layers,
+    "find_nonfinite": lambda b: str(jaxmp.debug.find_nonfinite(_edge_loss)(W, b)),
+    "mp_value_and_grad": lambda b: jax.jit(jaxmp.mp_value_and_grad(
+        _edge_loss, compute_dtype=jnp.bfloat16))(W, b, scaler_state=jaxmp.noop_scaler())[:2],
+}
+
+
+@pytest.mark.parametrize("tool", list(_TOOLS))
+def test_the_tools_take_numpy_int64_leaves_silently_as_jit_does(tool):
+    # jax.jit traces NumPy int64 leaves as int32 without a word; the FLOP counters stood them
+    # in by jax.ShapeDtypeStruct(x.shape, x.dtype), and JAX warned that it truncates int64,
+    # once per leaf and trace (12 times for a graph net's batch on jax 0.12).
+    int32 = {k: jnp.asarray(v, jnp.int32) if k != "nodes" else v for k, v in _EDGES.items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _TOOLS[tool](_EDGES)
+    assert [str(c.message) for c in caught if issubclass(c.category, UserWarning)] == []
+    if tool == "mp_value_and_grad":  # against float32's loss and gradient
+        want = jax.jit(jax.value_and_grad(_edge_loss))(W, int32)
+        assert helpers.rel(got[0], want[0]) < 0.01 and helpers.rel(got[1], want[1]) < 0.05
+    else:
+        assert got == _TOOLS[tool](int32)

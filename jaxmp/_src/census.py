@@ -156,12 +156,61 @@ def census(jaxpr) -> Iterator[tuple[Any, int, tuple]]:
             yield eqn, repeat * jaxprs.eqn_flops(eqn), enclosing
 
 
+def wide_origin(eqn, producer: dict, same: dict) -> tuple[Any, Any] | None:
+    """Where the widest operand of the product ``eqn`` got its width, in the user's program.
+
+    The operand is followed back (:func:`jaxprs.wide_origins`) past jaxmp's
+    own operations (its casts) and the backward pass (a cotangent is as wide
+    as the value it differentiates) to the value that was made wide: the first
+    such value that is not a widening conversion is taken (JAX's type
+    promotion converts the narrow operand of an operation whose other operand
+    is float32: the width comes from that one, such as the ``jnp.zeros`` a
+    model makes), else the first.
+
+    Args:
+        eqn: a ``dot_general`` or ``conv_general_dilated`` equation.
+        producer: ``{variable: (eqn, enclosing)}`` of the program
+            (:func:`jaxprs.nested_producers`).
+        same: the program's :func:`jaxprs.call_aliases`.
+
+    Returns:
+        ``(variable, (eqn, enclosing))`` of the equation that made it wide,
+        ``(variable, None)`` for an input of the program, or ``None``.
+    """
+    def no_origin(made, around: tuple) -> bool:  # not where the user's code made a value
+        stack = "/".join(s for s in (compat.name_stack(e) for e in (*around, made)) if s)
+        return compat.is_backward(stack) or source.made_by_jaxmp(made, around)
+
+    widths = [np.dtype(v.aval.dtype).itemsize for v in eqn.invars[:2]]
+    wide = [v for v, w in zip(eqn.invars[:2], widths) if w == max(widths)]
+    first = None
+    for found in jaxprs.wide_origins(wide, producer, same, skip=no_origin):
+        if found[1] is None or found[1][0].primitive.name != "convert_element_type":
+            return found
+        first = first or found
+    return first
+
+
+def _made_at(jaxpr, eqn, enclosing: tuple) -> str:
+    """For the warning: where the user's code made the float32 operand of ``eqn``, when that
+    is another line than the product's ("" otherwise)."""
+    found = wide_origin(eqn, jaxprs.nested_producers(jaxpr), jaxprs.call_aliases(jaxpr))
+    if found is None or found[1] is None:
+        return ""
+    made = source.user_location(*found[1])
+    if made in ("unknown", source.user_location(eqn, enclosing)):
+        return ""
+    return f"; its {found[0].aval.dtype} operand was made at {made}"
+
+
 def warn_if_mostly_float32(closed_jaxpr, compute_dtype: Any, api: str) -> bool:
     """Warns when under half of the product FLOPs of ``closed_jaxpr`` have half-precision operands.
 
     Returns whether it warned. Names the first product with a float32 operand
-    by the user's file and line, with its operand dtypes, and the fix. Said
-    once per such product (:func:`messages.warn_once`).
+    by the user's file and line, with its operand dtypes, the line that made
+    that operand float32 (:func:`wide_origin`: a ``jnp.zeros`` in the model,
+    when the product is the layer it feeds), and the fix. Said once per such
+    product (:func:`messages.warn_once`).
     """
     if not casting.is_narrow_dtype(compute_dtype):
         return False
@@ -184,9 +233,10 @@ def warn_if_mostly_float32(closed_jaxpr, compute_dtype: Any, api: str) -> bool:
         f"but runs only {half / total:.0%} of its matrix-product FLOPs in half precision: "
         f"the model computes in float32 and trains at float32's speed and memory. The first "
         f"float32 product is a {eqn.primitive.name} of {dtypes[0].name} x {dtypes[1].name} "
-        f"operands at {where}. Casting the inputs does not reach values the loss makes itself "
-        "or layers that fix their own dtype (a Flax module with dtype=jnp.float32, nnx.Embed, "
-        "a batch captured by a closure, float32 noise from jax.random inside the loss).\n"
+        f"operands at {where}{_made_at(closed_jaxpr.jaxpr, eqn, enclosing)}. Casting the inputs "
+        "does not reach values the loss makes itself or layers that fix their own dtype (a Flax "
+        "module with dtype=jnp.float32, nnx.Embed, a batch captured by a closure, float32 noise "
+        "from jax.random inside the loss).\n"
         "  Fix: autocast=True (the default), which chooses the precision of each operation "
         "inside the loss; or cast those values yourself (e.g. the layer's dtype= to the "
         "compute dtype).",

@@ -720,11 +720,6 @@ MOVEMENT = frozenset({"broadcast_in_dim", "reshape", "squeeze", "transpose",
 RESHAPING = frozenset({"broadcast_in_dim", "reshape", "squeeze", "stop_gradient",
                        "copy", "convert_element_type"})
 
-#: Operations that move or convert a value without computing a new one (the precision
-#: report follows them back to find where a wide operand comes from).
-MOVES = frozenset({"convert_element_type", "reshape", "broadcast_in_dim", "transpose", "squeeze",
-                   "copy", "slice", "dynamic_slice"})
-
 #: Reductions: their results are statistics of a tensor.
 REDUCTIONS = frozenset({"reduce_sum", "reduce_prod"})
 

@@ -97,7 +97,7 @@ def _unplaced(tree: PyTree) -> PyTree:
     program"). A ``jax.ShapeDtypeStruct`` keeps the sharding it was given.
     """
     return jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if casting.is_array(x) else x, tree)
+        lambda x: jaxprs.shape_dtype(x) if casting.is_array(x) else x, tree)
 
 
 def matmul_flops(fn: Callable, *args: Any, platform: str = "cuda", target: Any = None,

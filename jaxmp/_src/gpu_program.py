@@ -871,7 +871,7 @@ def gpu_program(fn: Callable, *args: Any, target: str | GpuTarget = "h100",
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def placed(x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+        return jaxprs.shape_dtype(x, sharding=replicated)
 
     # NNX modules and optimizers among the arguments: their in-place updates are outputs.
     pure, args, kwargs = in_place.functional(fn, args, kwargs)

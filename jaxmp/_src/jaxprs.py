@@ -9,14 +9,17 @@ rather than writing its own:
   (which read equation parameters, so they live in :mod:`jaxmp._src.compat`
   and are re-exported here), :func:`called_jaxpr`;
 * the use/def index: :class:`Uses` (which equation defines each variable,
-  which read it, what the jaxpr returns) and :func:`nested_producers`;
+  which read it, what the jaxpr returns), :func:`nested_producers` and
+  :func:`call_aliases`, and :func:`wide_origins` (where a float32 value got
+  its width, followed back through them);
 * what a product computes: :func:`eqn_flops` (``2 *`` multiply-adds of a
   ``dot_general`` or ``conv_general_dilated``), :func:`dot_layout` and
   :func:`dot_transposes` (the two backward products of a ``dot_general``);
 * the leaf partition: :func:`over_arrays` (a function of the array leaves of
   its arguments, the rest closed over: what is traced, lowered or
-  differentiated) and :func:`at_positions` (the leaves of some arguments
-  only, and how to put them back).
+  differentiated), :func:`at_positions` (the leaves of some arguments
+  only, and how to put them back) and :func:`shape_dtype` (a leaf's shape and
+  dtype as ``jit`` traces it).
 """
 
 from __future__ import annotations
@@ -125,6 +128,111 @@ def nested_producers(jaxpr) -> dict:
     """``{variable: (eqn, enclosing equations)}`` for the results of every equation of
     ``jaxpr``, nested ones included (:func:`walk`; a jaxpr walked twice keeps its last)."""
     return {v: (eqn, enclosing) for eqn, _, enclosing in walk(jaxpr) for v in eqn.outvars}
+
+
+def call_aliases(jaxpr) -> dict:
+    """``{variable: the variable it stands for}`` across the calls of ``jaxpr`` (nested ones
+    included, :func:`called_jaxpr`): each input of a called jaxpr stands for its equation's
+    operand, each result of the equation for the called jaxpr's result."""
+    same: dict = {}
+    for eqn, _, _ in walk(jaxpr):
+        called = called_jaxpr(eqn)
+        if called is not None:
+            same.update(zip(called.invars, eqn.invars))
+            same.update(zip(eqn.outvars, called.outvars))
+    return same
+
+
+def _width(v) -> int:
+    """The bytes of ``v``'s floating-point dtype (0 for any other)."""
+    dtype = v.aval.dtype
+    return np.dtype(dtype).itemsize if casting.is_float_dtype(dtype) else 0
+
+
+def wide_origins(values: Sequence[Any], producer: dict, same: dict | None = None,
+                 skip: Callable[[Any, tuple], bool] | None = None,
+                 limit: int = 512) -> Iterator[tuple[Any, Any]]:
+    """Where the floating-point ``values`` got their width, followed back through the program.
+
+    A result as wide as a floating-point operand of its equation (a float32
+    ``add``, ``concatenate``, ``reshape``, ``broadcast_in_dim``, ``gather``...)
+    inherits the width from those operands, which are followed in turn,
+    across calls (``same``). The value where it stops made the width: the
+    result of an equation with no such operand (``jnp.zeros``' broadcast of a
+    float32 literal, a widening ``convert_element_type``), of a matrix product
+    or convolution (the layer that computed it), of a loop or branch, or an
+    input of the program.
+
+    Args:
+        values: the variables to start from, in the order to follow them
+            (those ``skip`` skips last).
+        producer: ``{variable: (eqn, enclosing)}`` (:func:`nested_producers`).
+        same: ``{variable: the variable it stands for}`` (:func:`call_aliases`).
+        skip: ``skip(eqn, enclosing)`` for equations that are no origin of
+            their own (those jaxmp added, the backward pass): their
+            floating-point operands are followed whatever their width, and
+            one with none yields nothing; their results are followed after
+            the other operands of the equation that reads them.
+        limit: how many variables to visit at most.
+
+    Yields:
+        ``(variable, (eqn, enclosing))`` for a value an equation made wide, or
+        ``(variable, None)`` for an input of the program (or of a nested
+        jaxpr whose inputs are not its equation's operands), depth first: the
+        first operand's origins before the second's.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> def f(x):  # x is bfloat16: the float32 comes from the zeros
+        ...     z = jnp.zeros((2, 3))
+        ...     return jnp.concatenate([x.astype(jnp.float32), z]).reshape(3, 4)
+        >>> jaxpr = jax.make_jaxpr(f)(jnp.ones((2, 3), jnp.bfloat16)).jaxpr
+        >>> found = wide_origins(jaxpr.outvars, nested_producers(jaxpr))
+        >>> [eqn.primitive.name for _, (eqn, _) in found]
+        ['convert_element_type', 'broadcast_in_dim']
+    """
+    same = same or {}
+    skipped: dict = {}  # id(eqn) -> skip(eqn, enclosing)
+
+    def resolve(v):  # a value a call returns is the called jaxpr's, and so on
+        for _ in range(64):
+            if compat.is_literal(v) or v not in same:
+                break
+            v = same[v]
+        return v
+
+    def skips(v) -> bool:
+        found = None if skip is None or compat.is_literal(v) else producer.get(v)
+        if found is not None and id(found[0]) not in skipped:
+            skipped[id(found[0])] = skip(*found)
+        return found is not None and skipped[id(found[0])]
+
+    def push(found: list) -> None:  # to visit in order, those skipped last
+        found = [resolve(u) for u in found]
+        stack.extend(reversed([u for u in found if not skips(u)] + [u for u in found if skips(u)]))
+
+    stack: list = []
+    seen: set = set()
+    push(list(values))
+    while stack and len(seen) < limit:
+        v = stack.pop()
+        if compat.is_literal(v) or v in seen:
+            continue
+        seen.add(v)
+        found = producer.get(v)
+        if found is None:
+            yield v, None
+            continue
+        eqn = found[0]
+        # A product's result is its own (the layer that made it is named, not its inputs), and
+        # so is a loop's or a branch's.
+        own = eqn.primitive.name not in compat.PRODUCTS and not any(True for _ in sub_jaxprs(eqn))
+        floats = [u for u in eqn.invars if not compat.is_literal(u) and _width(u)] if own else []
+        if not skips(v):
+            floats = [u for u in floats if _width(u) >= _width(v)]
+            if not floats:
+                yield v, found
+        push(floats)
 
 
 # --- Products -----------------------------------------------------------------------------------
@@ -267,6 +375,31 @@ def is_dynamic(x: Any) -> bool:
     measures of :mod:`jaxmp.debug` (:func:`jaxmp.debug.gpu_program` too); any other leaf is
     closed over."""
     return casting.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def shape_dtype(x: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of the array leaf ``x`` as ``jax.jit`` traces it.
+
+    ``jax.jit`` traces a NumPy ``int64`` (``float64``) leaf, such as the
+    ``np.arange`` indices of a graph batch, as ``int32`` (``float32``) unless
+    x64 is enabled, silently; ``jax.ShapeDtypeStruct(x.shape, x.dtype)`` would
+    ask for ``int64`` and JAX would warn that it truncates. Every tool that
+    stands a leaf's shape and dtype in for it uses this, and says what ``jit``
+    says: nothing.
+
+    Args:
+        x: an array (JAX or NumPy) or a ``jax.ShapeDtypeStruct``.
+        sharding: the sharding to give it (default: none).
+
+    Examples:
+        >>> import numpy as np
+        >>> shape_dtype(np.arange(3)).dtype  # without jax_enable_x64
+        dtype('int32')
+    """
+    dtype = x.dtype
+    if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # typed PRNG keys stay
+        dtype = jax.dtypes.canonicalize_dtype(dtype)
+    return jax.ShapeDtypeStruct(x.shape, dtype, sharding=sharding)
 
 
 def array_leaves(tree: PyTree) -> list:

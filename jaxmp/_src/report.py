@@ -31,11 +31,6 @@ from jaxmp._src import shortfall
 from jaxmp._src import source
 
 
-# Operations that move or convert a value without computing a new one: followed back to
-# find where a wide operand comes from.
-_MOVES = compat.MOVES
-
-
 # Why a product is not in the requested precision, by reason, for the reasons shortfall.WIDER
 # (the float8 warning's table) does not know or says in float8's terms; the others
 # (a float8 operand, a custom derivative rule; with a float8 matmul_dtype, the autocast
@@ -322,7 +317,7 @@ class _Program:
         # Dead code is dropped, as lowering drops it (matmul_flops counts the lowered program).
         self.jaxpr = jaxpr = compat.without_dead_code(closed.jaxpr)
         self.producer: dict = jaxprs.nested_producers(jaxpr)  # var -> (eqn, enclosing)
-        self.same: dict = {}  # a var -> the var of another jaxpr it stands for (jit, checkpoint)
+        self.same: dict = jaxprs.call_aliases(jaxpr)  # a var -> the var it stands for (jit...)
         self.cast_by_autocast: set = set()  # the primitives of products autocast casts
         self.origin: dict = {v: "closure" for v in jaxpr.constvars}
         self.origin.update({v: "argument" for v in jaxpr.invars})
@@ -332,34 +327,6 @@ class _Program:
                 self.origin.update({v: "closure" for v in j.constvars})
             if eqn.primitive.name in compat.PRODUCTS and self.autocast_converts(eqn):
                 self.cast_by_autocast.add(eqn.primitive.name)
-            called = jaxprs.called_jaxpr(eqn)
-            if called is not None:
-                self.same.update(zip(called.invars, eqn.invars))
-                self.same.update(zip(eqn.outvars, called.outvars))
-
-    def _sources(self, v, depth: int = 0):
-        """Where ``v`` is moved or converted from: ``(eqn, enclosing)`` pairs, and
-        ``("closure", None)`` or ``("argument", None)`` for an input of the program."""
-        while depth < 64 and not compat.is_literal(v):
-            depth += 1
-            if v in self.origin:
-                yield self.origin[v], None
-                return
-            if v in self.same:
-                v = self.same[v]
-                continue
-            found = self.producer.get(v)
-            if found is None:
-                return
-            eqn, enclosing = found
-            if eqn.primitive.name == "convert_element_type" and not source.made_by_jaxmp(
-                    eqn, enclosing) and _widens(eqn):
-                yield "converted", found
-                return
-            if eqn.primitive.name not in _MOVES:
-                yield "computed", found
-                return
-            v = eqn.invars[0]
 
     def autocast_converts(self, eqn) -> list:
         """The conversions autocast made of the operands of ``eqn`` (right before it)."""
@@ -368,18 +335,16 @@ class _Program:
                 "convert_element_type" and _made_by_autocast(*f)]
 
     def origin_of(self, eqn) -> tuple[str | None, str]:
-        """Where the widest operand of ``eqn`` comes from: ``("closure", "")``,
-        ``("argument", "")``, ``("converted", where)`` or ``(None, "")`` when unseen."""
-        width = max(np.dtype(v.aval.dtype).itemsize for v in eqn.invars[:2])
-        kinds = {}
-        for v in eqn.invars[:2]:
-            if np.dtype(v.aval.dtype).itemsize == width:
-                for kind, found in self._sources(v):
-                    kinds.setdefault(kind, found)
-        for kind in ("closure", "argument", "computed", "converted"):
-            if kind in kinds:
-                return kind, source.user_location(*kinds[kind]) if kinds[kind] else ""
-        return None, ""
+        """Where the widest operand of ``eqn`` got its width (:func:`census.wide_origin`):
+        ``("closure", "")``, ``("argument", "")``, ``("computed", where)`` (an operation of
+        the user's that made it wide: a ``jnp.zeros``), ``("converted", where)`` (a cast), or
+        ``(None, "")`` when unseen."""
+        found = census.wide_origin(eqn, self.producer, self.same)
+        if found is None or found[1] is None:
+            return (self.origin.get(found[0]) if found else None), ""
+        made, enclosing = found[1]
+        kind = "converted" if made.primitive.name == "convert_element_type" else "computed"
+        return kind, source.user_location(made, enclosing)
 
 
 # The package of autocast, whose interpreter converts the operands of the products it runs.
