@@ -1,5 +1,6 @@
 """Multi-device behaviour on several CPU devices (conftest.py asks for 4)."""
 
+import functools
 import re
 
 import jax
@@ -297,6 +298,40 @@ def test_shard_map_opt_out_gives_per_device_gradients(mesh):
         np.testing.assert_allclose(loss[d], ref_loss, rtol=2e-2)
         for k in params:
             np.testing.assert_allclose(grads[k][d], ref_grads[k], rtol=5e-2, atol=5e-3)
+    assert bool(finite) and float(new.scale) == 2.0**10
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_shard_map_opt_out_with_per_device_parameters(mesh, accumulate):
+    """axis_name=() with parameters that differ per device (varying along the mesh axis, as
+    in_specs=P("data") makes them): each device gets its own shard's gradient of its own
+    parameters, never averaged, and nothing marks an already varying parameter varying again
+    (issue 40: pvary of a varying value raised)."""
+    params, x, y = _setup()
+    per_device = jax.tree_util.tree_map(
+        lambda p: jnp.stack([p * (1.0 + 0.25 * d) for d in range(NUM)]), params)
+    make = (functools.partial(jaxmp.accumulate_value_and_grad, num_microbatches=2)
+            if accumulate else jaxmp.mp_value_and_grad)
+
+    def body(params, x, y, scaler):
+        own = jax.tree_util.tree_map(lambda v: v[0], params)
+        loss, grads, new, finite = make(_loss, axis_name=(), compute_dtype=jnp.float16)(
+            own, x, y, scaler_state=scaler)
+        add = lambda t: jax.tree_util.tree_map(lambda v: v[None], t)
+        return add(loss), add(grads), new, finite
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data"), P("data"), P()),
+                       out_specs=(P("data"), P("data"), P(), P()))
+    loss, grads, new, finite = jax.jit(fn)(per_device, x, y,
+                                           jaxmp.init_scaler(initial_scale=2.0**10))
+    xs, ys = x.reshape(NUM, -1, 5), y.reshape(NUM, -1)
+    for d in range(NUM):
+        own = jax.tree_util.tree_map(lambda v: v[d], per_device)
+        ref_loss, ref_grads = jax.value_and_grad(_loss)(own, xs[d], ys[d])
+        np.testing.assert_allclose(loss[d], ref_loss, rtol=2e-2)
+        for k in params:
+            np.testing.assert_allclose(grads[k][d], ref_grads[k], rtol=5e-2, atol=5e-3,
+                                       err_msg=f"device {d}, {k}")
     assert bool(finite) and float(new.scale) == 2.0**10
 
 

@@ -1,7 +1,8 @@
 """Gradient accumulation over micro-batches, with one loss scale per window.
 
 :func:`accumulate_value_and_grad` splits the batch arguments of a loss function
-into ``num_microbatches`` micro-batches and runs a ``lax.scan`` over them inside
+into ``num_microbatches`` micro-batches (with its ``split`` function; by default
+every array along its leading axis) and runs a ``lax.scan`` over them inside
 the step. Each micro-batch is differentiated in the compute dtype with the
 *same* loss scale; the scaled gradients are summed in float32; then, once per
 effective batch, they are divided by the scale and by the number of
@@ -46,63 +47,124 @@ PyTree = Any
 
 
 def _is_key(x: Any) -> bool:
-    """A typed PRNG key array, or what a raw ``jax.random.PRNGKey`` looks like (uint32[2] or [4])."""
+    """A typed PRNG key array, or what a raw ``jax.random.PRNGKey`` looks like (uint32[2], [4])."""
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         return True
     return x.dtype == np.uint32 and np.ndim(x) == 1 and x.shape[0] in (2, 4)
 
 
-class _Batch:
-    """The batch arguments of one call, split into micro-batches along their leading axis.
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray))
 
-    ``leaves`` holds, for every batch argument, its array leaves reshaped to
-    ``(k, B // k, ...)`` (``None`` for leaves that are not split); ``rebuild``
-    puts one micro-batch of them back into the full argument list. A PRNG key
-    whose leading axis is not the batch axis (a single key, raw or typed) is not
-    split: every micro-batch receives it unchanged.
-    """
 
-    def __init__(self, args: Sequence[Any], positions: Sequence[int], k: int):
-        self.positions = positions
-        flat = [jax.tree_util.tree_flatten_with_path(args[pos]) for pos in positions]
-        arrays = [x for with_paths, _ in flat for _, x in with_paths if self._is_array(x)]
-        sizes = {x.shape[0] for x in arrays if np.ndim(x) and not _is_key(x)}
-        self.leaves, self.static = [], []
-        for pos, (with_paths, treedef) in zip(positions, flat):
-            split, static = [], []
-            for path, x in with_paths:
-                if self._is_array(x) and not (_is_key(x) and (np.ndim(x) == 0 or
-                                                             x.shape[0] not in sizes)):
-                    where = f"argument {pos}" + (
-                        f" leaf {jax.tree_util.keystr(path)}" if path else "")
-                    split.append(self._split(x, k, where))
-                    static.append(None)
-                else:
-                    split.append(None)
-                    static.append(x)
-            self.leaves.append(split)
-            self.static.append((treedef, static))
+# The fields of jraph's GraphsTuple: recognised by name (jraph is not a dependency).
+_GRAPH_FIELDS = frozenset(("nodes", "edges", "receivers", "senders", "globals", "n_node",
+                           "n_edge"))
+_SPLIT_HINT = ("Pass split=, a function (batch, num_microbatches) -> the micro-batches stacked "
+               "along a new leading axis (docs/accumulation.md shows one for a padded graph "
+               "batch)")
 
-    @staticmethod
-    def _is_array(x: Any) -> bool:
-        return isinstance(x, (jax.Array, np.ndarray))
 
-    @staticmethod
-    def _split(x: Any, k: int, where: str) -> Any:
-        if np.ndim(x) == 0 or x.shape[0] % k:
-            shape = tuple(np.shape(x))
+def _is_graph(x: Any) -> bool:
+    return isinstance(x, tuple) and _GRAPH_FIELDS <= set(getattr(x, "_fields", ()))
+
+
+def _where(positions: Sequence[int], path: tuple) -> str:
+    """``argument 1 leaf ['xy'][0]``, from a path into the tuple of batch arguments."""
+    pos, rest = positions[path[0].idx], path[1:]
+    return f"argument {pos}" + (f" leaf {jax.tree_util.keystr(rest)}" if rest else "")
+
+
+def _refuse_graphs(batch: tuple, positions: Sequence[int]) -> None:
+    for path, x in jax.tree_util.tree_flatten_with_path(batch, is_leaf=_is_graph)[0]:
+        if _is_graph(x):
             raise ValueError(
-                f"Every array in the batch arguments must have a leading batch axis "
-                f"divisible by num_microbatches={k}; {where} has shape {shape}. If this "
-                "argument is not part of the batch, leave it out of batch_argnums."
-            )
+                f"{_where(positions, path)} is a graph batch (a GraphsTuple): its senders and "
+                "receivers are indices into its nodes, and n_node and n_edge count nodes and "
+                "edges per graph, so splitting each of its arrays along the leading axis gives "
+                "micro-batches whose edges point at the wrong nodes. "
+                f"{_SPLIT_HINT}: one that splits by graphs and re-indexes senders and receivers.")
+
+
+def _indivisible(k: int, where: str, shape: tuple) -> ValueError:
+    return ValueError(
+        f"Every array in the batch arguments must have a leading batch axis divisible by "
+        f"num_microbatches={k}; {where} has shape {shape}. If this argument is "
+        "not part of the batch, leave it out of batch_argnums.")
+
+
+def _split_rows(batch: tuple, k: int, positions: Sequence[int]) -> tuple:
+    """The default ``split``: every array cut into ``k`` equal slices along its leading axis.
+
+    Sound when row ``i`` of every array belongs to example ``i``; it refuses
+    what it can tell is not so (a GraphsTuple, arrays of different leading
+    sizes). A PRNG key whose leading axis is not the batch axis (a single key,
+    raw or typed) is given whole to every micro-batch; other non-array leaves
+    are passed as they are.
+    """
+    _refuse_graphs(batch, positions)
+    rows: dict[int, list[tuple[str, tuple]]] = {}  # leading size -> those arrays, shapes
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if _is_array(x) and not _is_key(x):
+            where = _where(positions, path)
+            if np.ndim(x) == 0:
+                raise _indivisible(k, where, ())
+            rows.setdefault(x.shape[0], []).append((where, tuple(x.shape)))
+    for n, named in rows.items():
+        if n % k:
+            raise _indivisible(k, *named[0])
+    if len(rows) > 1:
+        sizes = "; ".join(
+            f"{', '.join(w for w, _ in named[:3])}{' ...' if len(named) > 3 else ''}: {n}"
+            for n, named in sorted(rows.items()))
+        raise ValueError(
+            f"The batch arrays have different leading sizes ({sizes}), so their rows are not one "
+            "per example, and cutting each into equal slices may give micro-batches whose "
+            "parts belong to different examples, or whose indices point at the wrong rows. "
+            f"{_SPLIT_HINT}; for arrays that hold a fixed number of rows per example, "
+            "split=lambda batch, k: jax.tree.map(lambda x: x.reshape(k, -1, *x.shape[1:]), "
+            "batch). An argument that is not part of the batch belongs out of batch_argnums.")
+
+    def split(x):
+        if not _is_array(x):
+            return x
+        if _is_key(x) and (np.ndim(x) == 0 or x.shape[0] not in rows):
+            return jnp.broadcast_to(x, (k,) + tuple(x.shape))  # the same key for every one
         return x.reshape((k, x.shape[0] // k) + tuple(x.shape[1:]))
 
+    return jax.tree_util.tree_map(split, batch)
+
+
+class _Micro:
+    """The micro-batches of one call: the batch arguments stacked along a new leading axis.
+
+    ``leaves`` are the stacked array leaves (what ``lax.scan`` runs over);
+    ``rebuild`` puts one micro-batch of them back into the full argument list,
+    with the non-array leaves as ``split`` returned them.
+    """
+
+    def __init__(self, stacked: Any, positions: Sequence[int], k: int):
+        if not isinstance(stacked, (tuple, list)) or len(stacked) != len(positions):
+            raise ValueError(
+                f"split= must return one entry per batch argument ({len(positions)}: "
+                f"arguments {list(positions)}), as a tuple, got {type(stacked).__name__}.")
+        self.positions = positions
+        with_paths, self.treedef = jax.tree_util.tree_flatten_with_path(tuple(stacked))
+        self.static = [(_is_array(x), None if _is_array(x) else x) for _, x in with_paths]
+        self.leaves = [x for _, x in with_paths if _is_array(x)]
+        for path, x in with_paths:
+            if _is_array(x) and (np.ndim(x) == 0 or x.shape[0] != k):
+                raise ValueError(
+                    f"split= returned {_where(positions, path)} with shape "
+                    f"{tuple(np.shape(x))}: every array it returns needs a leading axis of "
+                    f"size num_microbatches={k}, one entry per micro-batch.")
+
     def rebuild(self, args: Sequence[Any], micro_leaves: Sequence[Any]) -> list[Any]:
+        it = iter(micro_leaves)
+        merged = [next(it) if array else x for array, x in self.static]
         full = list(args)
-        for pos, leaves, (treedef, static) in zip(self.positions, micro_leaves, self.static):
-            merged = [s if m is None else m for m, s in zip(leaves, static)]
-            full[pos] = jax.tree_util.tree_unflatten(treedef, merged)
+        for pos, value in zip(self.positions, jax.tree_util.tree_unflatten(self.treedef, merged)):
+            full[pos] = value
         return full
 
 
@@ -112,6 +174,7 @@ def accumulate_value_and_grad(
     *,
     argnums: int | Sequence[int] = 0,
     batch_argnums: int | Sequence[int] | None = None,
+    split: Callable[[tuple, int], Sequence[Any]] | None = None,
     no_cast_argnums: int | Sequence[int] = (),
     has_aux: bool = False,
     compute_dtype: Any = jnp.bfloat16,
@@ -125,11 +188,21 @@ def accumulate_value_and_grad(
     """Like :func:`jaxmp.mp_value_and_grad`, accumulated over micro-batches.
 
     The returned function is called like the one :func:`jaxmp.mp_value_and_grad`
-    returns, ``(*args, scaler_state=state, **kwargs)``, with a full batch. Every
-    array leaf of the positional arguments in ``batch_argnums`` (by default all
-    positional arguments not in ``argnums``) is split along its leading axis
-    into ``num_microbatches`` equal micro-batches; the other arguments and all
-    keyword arguments are passed unchanged to every micro-batch.
+    returns, ``(*args, scaler_state=state, **kwargs)``, with a full batch. The
+    positional arguments in ``batch_argnums`` (by default all positional
+    arguments not in ``argnums``) are the batch: ``split`` cuts them into
+    ``num_microbatches`` micro-batches; the other arguments and all keyword
+    arguments are passed unchanged to every micro-batch.
+
+    The default ``split`` cuts every array leaf into equal slices along its
+    leading axis. That is right when row ``i`` of every array belongs to
+    example ``i``, and it refuses the batches it can tell are not so: arrays of
+    different leading sizes (the nodes, edges and per-graph counts of a graph
+    batch; arrays with several rows per example) and a jraph ``GraphsTuple``
+    (recognised by its fields), whose ``senders`` and ``receivers`` index its
+    nodes. It cannot tell an integer array that indexes rows of another array
+    from labels: a batch whose arrays hold indices into each other, however
+    they are shaped, needs a ``split`` of its own.
 
     ``fn`` must return the *mean* loss of the batch it is given. The result is
     then exactly the full-batch computation: the loss is the mean of the
@@ -144,8 +217,8 @@ def accumulate_value_and_grad(
         fn: the loss function, ``fn(*args, **kwargs) -> loss`` or
             ``(loss, aux)`` with ``has_aux=True``.
         num_microbatches: how many micro-batches the batch is split into (an
-            int >= 1); the leading axis of every batch array must be divisible
-            by it.
+            int >= 1); with the default ``split``, the leading axis of every
+            batch array must be divisible by it.
         argnums: which positional arguments to differentiate.
         batch_argnums: which positional arguments hold the batch. Defaults to
             every positional argument not in ``argnums`` or
@@ -154,6 +227,17 @@ def accumulate_value_and_grad(
             (raw or typed): every micro-batch gets the same key. To vary a key
             per micro-batch, pass one key per example (e.g.
             ``jax.random.split(key, batch_size)``) as part of the batch.
+        split: how the batch is cut into micro-batches: a function
+            ``split(batch, num_microbatches)`` that receives the tuple of the
+            batch arguments (in the order of their positions) and returns a
+            tuple of the same length, each entry that argument's micro-batches
+            stacked along a new leading axis of size ``num_microbatches``
+            (``lax.scan`` runs over it); micro-batch ``i`` is entry ``[i]`` of
+            every array. Non-array leaves are passed as they are. ``None``
+            (default) cuts every array into equal slices along its leading
+            axis, as said above. For a graph batch, a ``split`` that splits by
+            graphs, re-indexes ``senders`` and ``receivers`` and pads every
+            micro-batch to the same sizes: ``docs/accumulation.md``.
         no_cast_argnums: as in :func:`jaxmp.mp_value_and_grad`: arguments
             passed whole to every micro-batch, never narrowed.
         has_aux: whether ``fn`` returns ``(loss, aux)``. The returned ``aux``
@@ -180,9 +264,13 @@ def accumulate_value_and_grad(
 
     Raises:
         ValueError: if ``num_microbatches`` is not an int >= 1, if
-            ``batch_argnums`` overlaps ``argnums``, or (when called) if a batch
-            array's leading axis is not divisible by ``num_microbatches``.
-        TypeError: for the misuse :func:`jaxmp.mp_value_and_grad` rejects.
+            ``batch_argnums`` overlaps ``argnums``, or (when called) if the
+            default ``split`` meets a batch array whose leading axis is not
+            divisible by ``num_microbatches``, arrays of different leading
+            sizes or a ``GraphsTuple``, or a ``split`` returns arrays without a
+            leading axis of size ``num_microbatches``.
+        TypeError: for the misuse :func:`jaxmp.mp_value_and_grad` rejects,
+            or a ``split`` that is not callable.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -204,6 +292,8 @@ def accumulate_value_and_grad(
     ):
         raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}.")
     k = int(num_microbatches)
+    if split is not None and not callable(split):
+        raise TypeError(f"split must be a function (batch, num_microbatches), got {split!r}.")
     step = kernel.Step.create(
         fn, api="jaxmp.accumulate_value_and_grad", argnums=argnums,
         no_cast_argnums=no_cast_argnums, has_aux=has_aux, compute_dtype=compute_dtype,
@@ -234,7 +324,9 @@ def accumulate_value_and_grad(
                 "as a positional argument not in argnums, or set batch_argnums."
             )
         diff, rebuild, devices = step.differentiable(args, state)
-        batch = _Batch(args, batch_positions, k)
+        batch = tuple(args[pos] for pos in batch_positions)
+        batch = _Micro(_split_rows(batch, k, batch_positions) if split is None
+                       else split(batch, k), batch_positions, k)
         views = step.traced_views(diff)
 
         def body(acc, micro_leaves):
