@@ -695,3 +695,44 @@ def test_tensor_parallel_forward_sums_once_in_the_dtype_chosen(mesh2d):
                 if " all-reduce(" in line and "[8,1]" in line.split(" all-reduce(")[0]]
         assert len(sums) == 1, sums  # one forward sum, not recomputed
         assert _collective_types(hlo, "all-reduce", "8,1") == {dtype}
+
+
+def _scanned_loss(params, x, y):
+    """Layers under lax.scan, as scanned models (nn.scan, MaxText) run them."""
+    def layer(h, w):
+        return jnp.tanh(h @ w), None
+
+    h, _ = jax.lax.scan(layer, x, params["ws"])
+    return jnp.mean((jnp.sum(jax.nn.softmax(h) * 2.0, axis=-1) - y) ** 2)
+
+
+@pytest.mark.parametrize("axis_name", [(), "data"])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_shard_map_step_of_a_scanned_model(mesh, accumulate, axis_name):
+    """A loss with layers under lax.scan, in a shard_map body, in float16 (issue 40): the float32
+    regions autocast recomputes inside the scan body are traced with the body's varying axes,
+    so the scan's carry types match (it raised 'Scan carry input and output got mismatched
+    varying manual axes'). Each device's gradient (or their mean) is the float32 one."""
+    ws = jax.random.normal(jax.random.key(1), (3, 8, 8)) / 3
+    x = jax.random.normal(jax.random.key(2), (4 * NUM, 8))
+    y = jax.random.normal(jax.random.key(3), (4 * NUM,))
+    make = (functools.partial(jaxmp.accumulate_value_and_grad, num_microbatches=2)
+            if accumulate else jaxmp.mp_value_and_grad)
+
+    def body(params, x, y, scaler):
+        loss, grads, new, finite = make(_scanned_loss, axis_name=axis_name,
+                                        compute_dtype=jnp.float16)(params, x, y,
+                                                                   scaler_state=scaler)
+        add = lambda t: jax.tree_util.tree_map(lambda v: v[None], t)
+        return add(loss), add(grads), new, finite
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data"), P("data"), P()),
+                       out_specs=(P("data"), P("data"), P(), P()))
+    loss, grads, _, finite = jax.jit(fn)({"ws": ws}, x, y, jaxmp.init_scaler(initial_scale=8.0))
+    xs, ys = x.reshape(NUM, -1, 8), y.reshape(NUM, -1)
+    refs = [jax.grad(_scanned_loss)({"ws": ws}, xs[d], ys[d])["ws"] for d in range(NUM)]
+    for d in range(NUM):
+        want = refs[d] if axis_name == () else sum(refs) / NUM
+        np.testing.assert_allclose(grads["ws"][d], want, rtol=5e-2, atol=5e-3,
+                                   err_msg=f"device {d}")
+    assert bool(finite)

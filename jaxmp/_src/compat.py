@@ -99,6 +99,24 @@ def varying_axes(x: Any) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))  # jax <= 0.8
 
 
+def abstract_like(aval: Any) -> jax.ShapeDtypeStruct:
+    """A ``jax.ShapeDtypeStruct`` with ``aval``'s shape, dtype and varying manual axes.
+
+    Tracing a function of it inside a ``shard_map`` body gives a program typed as
+    the body's values are (a scan body retraced from plain shapes would lose its
+    carry's varying axes and no longer match the scan). The keyword is
+    ``manual_axis_type`` from jax 0.9 on, ``vma`` before.
+    """
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None and manual.varying:
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=aval.sharding,
+                                    manual_axis_type=manual)
+    varying = getattr(aval, "vma", None)  # jax <= 0.8
+    if manual is None and varying:
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=aval.sharding, vma=varying)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+
+
 def without_dead_code(jaxpr: Any, keep_inputs: bool = False) -> Any:
     """``jaxpr`` (an open ``Jaxpr``) without the equations no output depends on.
 

@@ -383,7 +383,7 @@ def _scan_with_regions(eqn, invals: list, policy) -> list:
     if body.consts:
         return interpret.bind(eqn, invals)
     program = jax.make_jaxpr(lambda *xs: eval_with_regions(body, xs, policy))(
-        *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in body.in_avals])
+        *[compat.abstract_like(a) for a in body.in_avals])
     if program.consts:
         return interpret.bind(eqn, invals)
     return interpret.bind(eqn, invals, compat.scan_with_body(eqn, program))
