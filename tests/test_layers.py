@@ -137,7 +137,7 @@ def private_reads(module: str, text: str | None = None) -> list[str]:
 # What jaxmp/_src/grad.py (mp_value_and_grad, mp_grad) imports, itself included, after
 # the scaler's alarms (alarms.py) and the widened gradient products (wide_gradients.py)
 # were split from loss_scale.py and sharding.py, the float8 shortfall warning
-# (shortfall.py, which imports float8.py) from census.py, and the step's master-weights
+# (shortfall.py, which imports the float8 package) from census.py, and the step's master-weights
 # check moved from update.py (the optimizer updates, and optax) to kernel.py. Fewer is
 # better: shrink it when a module leaves; a module that joins fails here.
 GRAD_IMPORTS = {
@@ -192,6 +192,42 @@ def test_the_autocast_package_is_layered():
     for module in parts - {"autocast.rules"}:
         assert inside(module) == {"autocast.rules"}, module
     assert inside("autocast") == parts
+
+
+def _defines(module: str, name: str) -> bool:
+    """Whether ``module`` assigns ``name`` at its top level."""
+    return any(isinstance(node, ast.Assign) and any(
+        isinstance(t, ast.Name) and t.id == name for t in node.targets)
+        for node in _tree(module).body)
+
+
+def test_the_float8_package_is_layered():
+    # A recipe is a row: each recipe module defines its row (RECIPE) from the lower modules
+    # alone, never from another recipe or the table; table.py collects the rows, and the
+    # package's face (__init__.py) re-exports what the rest of jaxmp uses.
+    def inside(module):
+        return {m for m in imports(module) if m.startswith("float8.")}
+
+    lower = {"float8.rules", "float8.scaling", "float8.target", "float8.recipe"}
+    recipes = {m for m in MODULES if m.startswith("float8.") and _defines(m, "RECIPE")}
+    assert recipes == {"float8.tensor", "float8.mxfp8"}
+    parts = lower | recipes | {"float8.convolution", "float8.table"}
+    assert {m for m in MODULES if m.startswith("float8.")} == parts
+    for module in lower:
+        assert inside(module) == set(), module
+    assert inside("float8.convolution") == {"float8.rules", "float8.scaling"}
+    for module in recipes:
+        assert inside(module) <= lower | {"float8.convolution"}, module
+        assert "float8.recipe" in inside(module), module
+    assert inside("float8.table") == recipes | {"float8.recipe", "float8.target"}
+    assert {m for m in closure("float8") if m.startswith("float8.")} == parts
+    # No module of the package imports the package's face (only its modules).
+    assert all("float8" not in _direct(m) for m in parts)
+
+
+def _direct(module: str) -> set[str]:
+    """The ``jaxmp._src`` modules ``module`` names in its import statements."""
+    return {m for node in ast.walk(_tree(module)) for _, m, _ in _bindings(node, module)}
 
 
 def test_the_helpers_see_the_imports_they_should():

@@ -1,0 +1,235 @@
+"""Which matrix products of ``autocast`` run in float8, and in which float8 dtypes.
+
+The bottom of the ``float8`` package, read by every recipe and by the census:
+the ``matmul_dtype`` values accepted (:func:`check_matmul_dtype`), the
+user's :class:`Float8Rules` over a :class:`Product`, the one placement
+decision (:func:`placement`) and which products of a convolution XLA's GPU
+compiler runs in float8 (:func:`conv_float8_products`). Nothing here says
+how a product is scaled: that is a recipe's (``tensor.py``, ``mxfp8.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp._src import casting
+from jaxmp._src import compat
+from jaxmp._src import jaxprs
+
+
+#: The float8 dtypes accepted as ``matmul_dtype``.
+FLOAT8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+#: The primitives :func:`jaxmp.autocast` runs in float8 by default.
+FLOAT8_PRIMITIVES = compat.FLOAT8_PRIMITIVES
+
+
+def is_float8_dtype(dtype: Any) -> bool:
+    """Whether ``dtype`` is a float8 dtype (any of JAX's, ``fnuz`` variants included)."""
+    return casting.is_float_dtype(dtype) and np.dtype(dtype).itemsize == 1
+
+
+def check_matmul_dtype(matmul_dtype: Any, compute_dtype: Any) -> np.dtype | None:
+    """``matmul_dtype`` as a float8 dtype, or ``None`` for products in ``compute_dtype``.
+
+    Raises a ``ValueError`` naming the accepted dtypes for anything else.
+    """
+    if matmul_dtype is None:
+        return None
+    try:
+        dtype = jnp.dtype(matmul_dtype)
+    except TypeError as e:
+        raise ValueError(f"matmul_dtype must be a dtype, got {matmul_dtype!r}.") from e
+    if dtype == np.dtype(compute_dtype):
+        return None
+    if dtype in FLOAT8_DTYPES:
+        return dtype
+    hint = ""
+    if casting.is_float_dtype(dtype) and dtype.itemsize > 1:
+        hint = (f" To run matrix products in {dtype.name}, set compute_dtype={dtype.name} "
+                "and leave matmul_dtype=None.")
+    elif is_float8_dtype(dtype):
+        hint = (" Other float8 formats (fnuz, e4m3b11...) are not supported: their range and "
+                "the GPU kernels that take them differ.")
+    raise ValueError(
+        "matmul_dtype must be None (matrix products in compute_dtype) or a float8 dtype: "
+        f"jnp.float8_e4m3fn (recommended) or jnp.float8_e5m2; got {dtype.name}." + hint)
+
+
+class Product(NamedTuple):
+    """What :class:`jaxmp.experimental.Float8Rules` sees of one matrix product.
+
+    Attributes:
+        primitive: ``"dot_general"`` or ``"conv_general_dilated"``.
+        lhs_shape: the shape of the left operand.
+        rhs_shape: the shape of the right operand (the kernel of a convolution).
+        flops: ``2 *`` multiply-adds, as :func:`jaxmp.debug.matmul_flops` counts them.
+        scope: the ``jax.named_scope`` names around the product, outermost
+            first, joined by ``/`` (``""`` when there are none).
+    """
+
+    primitive: str
+    lhs_shape: tuple
+    rhs_shape: tuple
+    flops: int
+    scope: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Rules:
+    """Which matrix products :func:`jaxmp.autocast` runs in float8 (``matmul_dtype``).
+
+    A product runs in float8 unless one of these says to keep it in the
+    compute dtype:
+
+    Attributes:
+        primitives: the primitives run in float8 (default ``dot_general`` and
+            ``conv_general_dilated``; drop the latter to keep convolutions in
+            the compute dtype).
+        min_flops: products with fewer FLOPs (``2 *`` multiply-adds) stay in
+            the compute dtype: for small products the scaling costs more than
+            float8 saves (default 0: every product in float8).
+        keep_scopes: names of ``jax.named_scope`` scopes whose products stay
+            in the compute dtype, e.g. ``{"head"}`` for an output projection
+            written under ``with jax.named_scope("head"):``. A name matches
+            one scope of the product's scope path, or a ``/``-separated run
+            of them (``"decoder/head"``).
+        keep_if: a predicate on a ``Product`` (``primitive``,
+            ``lhs_shape``, ``rhs_shape``, ``flops``, ``scope``); products for
+            which it returns ``True`` stay in the compute dtype.
+
+    Examples:
+        >>> import jaxmp
+        >>> jaxmp.experimental.Float8Rules()
+        Float8Rules()
+        >>> rules = jaxmp.experimental.Float8Rules(min_flops=2**20, keep_scopes={"head"})
+        >>> rules
+        Float8Rules(min_flops=1048576, keep_scopes={'head'})
+        >>> "head" in rules.keep_scopes
+        True
+    """
+
+    primitives: frozenset = FLOAT8_PRIMITIVES
+    min_flops: int = 0
+    keep_scopes: frozenset = frozenset()
+    keep_if: Callable[[Product], bool] | None = None
+
+    def __post_init__(self):
+        for field in ("primitives", "keep_scopes"):
+            names = getattr(self, field)
+            if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+                raise TypeError(f"Float8Rules.{field} must be a collection of strings, e.g. "
+                                f"{{'head'}}; got {names!r}.")
+            object.__setattr__(self, field, frozenset(names))
+        unknown = sorted(self.primitives - FLOAT8_PRIMITIVES)
+        if unknown:
+            raise ValueError(f"Float8Rules.primitives: only {sorted(FLOAT8_PRIMITIVES)} can run "
+                             f"in float8; got {unknown}.")
+        if (not isinstance(self.min_flops, (int, np.integer)) or isinstance(self.min_flops, bool)
+                or self.min_flops < 0):
+            raise TypeError(f"Float8Rules.min_flops must be an int >= 0, got {self.min_flops!r}.")
+        if self.keep_if is not None and not callable(self.keep_if):
+            raise TypeError("Float8Rules.keep_if must be a function of a Product returning a "
+                            f"bool, or None; got {type(self.keep_if).__name__}.")
+
+    def keeps(self, product: Product) -> bool:
+        """Whether ``product`` stays in the compute dtype."""
+        if product.primitive not in self.primitives or product.flops < self.min_flops:
+            return True
+        path = "/" + product.scope + "/"
+        if any("/" + name.strip("/") + "/" in path for name in self.keep_scopes):
+            return True
+        return bool(self.keep_if(product)) if self.keep_if is not None else False
+
+    def __repr__(self) -> str:
+        parts = []
+        if self.primitives != FLOAT8_PRIMITIVES:
+            parts.append(f"primitives={set(sorted(self.primitives))!r}")
+        if self.min_flops:
+            parts.append(f"min_flops={self.min_flops}")
+        if self.keep_scopes:
+            parts.append(f"keep_scopes={set(sorted(self.keep_scopes))!r}")
+        if self.keep_if is not None:
+            parts.append(f"keep_if={getattr(self.keep_if, '__name__', self.keep_if)!r}")
+        return f"Float8Rules({', '.join(parts)})"
+
+
+def product_of(eqn, scope: str) -> Product:
+    """The :class:`Product` of a ``dot_general`` or ``conv_general_dilated`` equation."""
+    lhs, rhs = (tuple(v.aval.shape) for v in eqn.invars[:2])
+    return Product(eqn.primitive.name, lhs, rhs, jaxprs.eqn_flops(eqn), scope)
+
+
+def placement(eqn, scope: str, low_precision: Iterable[str], rules: Float8Rules) -> str | None:
+    """Whether :func:`jaxmp.autocast` with a float8 ``matmul_dtype`` runs ``eqn`` in float8.
+
+    The one decision, asked by autocast to run the product and by the
+    census (``jaxmp.experimental.Float8ShortfallWarning``) to explain it. Returns ``None``
+    when the product runs in float8, else why not:
+
+    * ``"float8_operand"``: the function gives it a float8 operand already; it
+      runs as written;
+    * ``"kept"``: the user's ``rules`` keep it in the compute dtype;
+    * ``"rules"``: its primitive is not in ``AutocastRules.low_precision``;
+    * ``"operand"``: it does not have two floating-point operands;
+    * ``"transposed_conv"``: a convolution that dilates its input
+      (``lhs_dilation``), which XLA's GPU compiler cannot run in float8 (see
+      :func:`conv_float8_products`).
+
+    A convolution placed in float8 runs some backward products in the
+    compute dtype: :func:`conv_float8_products` says which.
+
+    Args:
+        eqn: a ``dot_general`` or ``conv_general_dilated`` equation.
+        scope: the ``jax.named_scope`` path around it (see :class:`Product`).
+        low_precision: ``AutocastRules.low_precision``.
+        rules: the :class:`jaxmp.experimental.Float8Rules`.
+    """
+    dtypes = [np.dtype(v.aval.dtype) for v in eqn.invars]
+    floats = [d for d in dtypes if casting.is_float_dtype(d)]
+    if any(is_float8_dtype(d) for d in floats):
+        return "float8_operand"
+    if rules.keeps(product_of(eqn, scope)):
+        return "kept"
+    if eqn.primitive.name not in low_precision:
+        return "rules"
+    if len(floats) != 2 or len(dtypes) != 2:
+        return "operand"
+    if eqn.primitive.name == "conv_general_dilated" and not conv_float8_products(compat.conv_params(eqn))[0]:
+        return "transposed_conv"
+    return None
+
+
+def conv_float8_products(params) -> tuple[bool, bool, bool]:
+    """Which products of a convolution with these ``params`` run in float8: ``(forward,
+    input gradient, kernel gradient)``.
+
+    Those XLA's GPU compiler runs as cuDNN float8 graphs. It emits one
+    (``__cudnn$convForwardGraph``) only for a convolution it runs as a
+    *forward* convolution (``cudnn_fused_conv_rewriter``'s ``F8GraphConv``
+    matches ``__cudnn$convForward`` calls alone); a backward-data or
+    backward-filter call with float8 operands is widened to float32 instead,
+    and the input gradient of a strided convolution becomes a forward
+    convolution over a zero-dilated cotangent, with four times the FLOPs
+    (stride 2). So:
+
+    * the forward product, unless it dilates its input (``lhs_dilation``, a
+      transposed convolution, which XLA runs as a backward-data call): then
+      autocast keeps the whole convolution in the compute dtype
+      (:func:`placement`);
+    * the input gradient when the forward product has unit strides (and no
+      batch groups): JAX's transpose is then a forward convolution;
+    * never the kernel gradient, which XLA always runs as a backward-filter
+      call.
+
+    The others run in the compute dtype, from the values themselves (not from
+    their float8 quantization): cuDNN's backward-data and backward-filter
+    kernels, with the strides handled natively.
+    """
+    forward = all(d == 1 for d in params["lhs_dilation"])
+    input_gradient = (forward and all(s == 1 for s in params["window_strides"])
+                      and params["batch_group_count"] == 1)
+    return forward, input_gradient, False
