@@ -45,9 +45,10 @@ def check_scaling(float8_scaling: Any, matmul_dtype: np.dtype | None) -> Recipe:
             hint = f" Names are lower case: float8_scaling={float8_scaling.lower()!r}."
         elif isinstance(float8_scaling, str) and "fp4" in float8_scaling.lower():
             hint = " 4-bit formats (mxfp4, nvfp4) are not implemented."
+        rows = "; ".join(f"{name!r}{' (the default)' if name == DEFAULT_RECIPE else ''}: "
+                         f"{row.summary}" for name, row in RECIPES.items())
         raise ValueError(
-            f"float8_scaling must be one of {sorted(RECIPES)}: 'tensor' (default, one scale "
-            f"per tensor) or 'mxfp8' (one scale per block of {mxfp8.MX_BLOCK}); got "
+            f"float8_scaling must be one of {sorted(RECIPES)} ({rows}); got "
             f"{float8_scaling!r}." + hint)
     if matmul_dtype is None:
         if recipe.name != DEFAULT_RECIPE:
