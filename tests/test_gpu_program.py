@@ -263,7 +263,7 @@ def test_a_missing_cuda_plugin_names_the_fix(monkeypatch):
     monkeypatch.setattr(gp, "plugin_installed", lambda: False)
     gp._mesh.cache_clear()
     try:
-        with pytest.raises(RuntimeError, match=r"(?s)no CUDA plugin.*pip install -e \\"\.\[gpu-compile\]\\".*"
+        with pytest.raises(RuntimeError, match=r'(?s)no CUDA plugin.*pip install -e "\.\[gpu-compile\]".*'
                                                r"JAX_PLATFORMS=cpu"):
             jaxmp.debug.gpu_program(lambda x: x @ x, jax.ShapeDtypeStruct((8, 8), jnp.float32))
     finally:
@@ -631,3 +631,20 @@ def test_benchmark_quick_run_writes_its_census(tmp_path):
     # metadata and the stack-frame tables) differs with who compiled it first in this process.
     assert _without_locations((tmp_path / "hlo" / "gpt_bf16_jaxmp_h100.hlo").read_text()) == (
         _without_locations(_step("gpt", "bf16_jaxmp", "h100").text))
+
+
+@pytest.mark.gpu_program
+@needs_plugin
+def test_requested_flops_of_a_strided_convolution_are_what_the_gpu_runs():
+    """The requested count leaves out the zeros of the strided convolution's dilated input
+    gradient, which cuDNN's backward-data convolution never multiplies (issue 41, part 6)."""
+    def loss(w, x):
+        y = jax.lax.conv_general_dilated(x, w, (2, 2), "SAME",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+    w = jax.ShapeDtypeStruct((3, 3, 16, 32), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((8, 32, 32, 16), jnp.bfloat16)
+    program = jaxmp.debug.gpu_program(jax.grad(loss, argnums=(0, 1)), w, x, target="h100")
+    assert {p.kind for p in program.products} >= {"convolution input gradient"}
+    assert sum(program.requested_flops.values()) == program.flops

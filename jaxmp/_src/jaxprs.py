@@ -238,12 +238,31 @@ def wide_origins(values: Sequence[Any], producer: dict, same: dict | None = None
 # --- Products -----------------------------------------------------------------------------------
 
 
+def conv_macs(out: Sequence[int], kernel: Sequence[int], out_features: int,
+              lhs_dilation: Sequence[int] = ()) -> int:
+    """Multiply-adds of one run of a convolution with result shape ``out`` and ``kernel``.
+
+    Each output element takes ``prod(kernel) / out_features`` multiply-adds
+    (zero padding included), except for the zeros of an input dilated by
+    ``lhs_dilation`` (the input gradient of a strided convolution, a transposed
+    convolution): those multiply nothing, and XLA runs such a product as the
+    strided convolution's backward pass (cuDNN's backward-data convolution),
+    which skips them. It counts ``1 / prod(lhs_dilation)`` of the dilated
+    count: exactly the forward convolution's multiply-adds when the input size
+    is the output size times the stride (``"SAME"`` padding), as
+    :func:`jaxmp.debug.gpu_program` counts the product it runs.
+    """
+    return (math.prod(out) * math.prod(kernel) // max(out_features, 1)
+            // max(math.prod(lhs_dilation), 1))
+
+
 def eqn_flops(eqn) -> int:
     """``2 *`` multiply-adds of one run of a ``dot_general`` or ``conv_general_dilated``
     equation, as :func:`jaxmp.debug.matmul_flops` counts them.
 
     A convolution's output element takes ``prod(kernel) / out_features``
-    multiply-adds.
+    multiply-adds, less the zeros of a dilated input
+    (:func:`conv_macs`).
     """
     lhs, rhs = (v.aval for v in eqn.invars[:2])
     out = eqn.outvars[0].aval
@@ -251,7 +270,8 @@ def eqn_flops(eqn) -> int:
         (contracting, _), _ = compat.dimension_numbers(eqn)
         return 2 * math.prod(out.shape) * math.prod(lhs.shape[i] for i in contracting)
     out_features = rhs.shape[compat.dimension_numbers(eqn).rhs_spec[0]]
-    return 2 * math.prod(out.shape) * math.prod(rhs.shape) // max(out_features, 1)
+    dilation = compat.conv_params(eqn).get("lhs_dilation") or ()
+    return 2 * conv_macs(out.shape, rhs.shape, out_features, dilation)
 
 
 def dot_layout(a_ndim: int, b_ndim: int, dimension_numbers) -> tuple[list, list, list, list, list]:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 import re
 
+from jaxmp._src import jaxprs
+
 #: The :func:`jaxmp.debug.matmul_flops` keys of half-precision products (both operands
 #: float16, or both bfloat16).
 HALF_NAMES = ("float16", "bfloat16")
@@ -37,6 +39,7 @@ _TENSOR = r"tensor<((?:\d+x)*)([a-zA-Z][a-zA-Z0-9]*)>"
 _SIGNATURE = re.compile(r":\s*\(" + _TENSOR + r",\s*" + _TENSOR + r"\)\s*->\s*" + _TENSOR)
 _CONTRACTING = re.compile(r"contracting_dims\s*=\s*\[([0-9, ]*)\]")
 _CONV_DIMS = re.compile(r"dim_numbers\s*=\s*\[[^\]]*\]x\[([^\]]*)\]")
+_LHS_DILATE = re.compile(r"lhs_dilate\s*=\s*\[([0-9, ]*)\]")
 
 
 def _dims(text: str) -> tuple[int, ...]:
@@ -212,7 +215,9 @@ def _op_flops(line: str) -> tuple[str, int] | None:
     else:
         # Each output element takes prod(kernel) / out_features multiply-adds.
         labels = [d.strip() for d in _CONV_DIMS.search(line).group(1).split(",")]
-        macs = math.prod(out) * math.prod(rhs) // rhs[labels.index("o")]
+        found = _LHS_DILATE.search(line)
+        dilation = [int(i) for i in found.group(1).split(",") if i.strip()] if found else []
+        macs = jaxprs.conv_macs(out, rhs, rhs[labels.index("o")], dilation)
     return product_key(_dtype_name(lhs_t), _dtype_name(rhs_t)), 2 * macs
 
 
