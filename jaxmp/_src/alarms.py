@@ -105,7 +105,7 @@ class TrainingStuckError(RuntimeError):
         ...     for _ in range(5):
         ...         state = jaxmp.adjust(state, False)
         ... except jaxmp.TrainingStuckError as error:
-        ...     print(str(error).startswith("jaxmp: training is stuck."))
+        ...     print(str(error).startswith("jaxmp: training is stuck since step 2."))
         True
     """
 

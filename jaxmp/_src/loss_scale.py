@@ -574,7 +574,7 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
         ...         state = jaxmp.adjust(state, False)
         >>> float(state.scale), int(state.overflow_streak), len(caught)
         (1.0, 5, 1)
-        >>> str(caught[0].message).startswith("jaxmp: training is stuck. The last 3 steps")
+        >>> str(caught[0].message).startswith("jaxmp: training is stuck since step 3. The last 3")
         True
     """
     check_scaler_state(state)
