@@ -265,19 +265,22 @@ def test_a_checkpoint_with_the_latest_alarm_step_loads_with_periods():
     assert restored.first_alarm.tolist()[0] == [2, 2] and restored.last_alarm.tolist()[0] == [9, 10]
 
 
-def test_an_old_orbax_checkpoint_says_what_is_missing_and_loads_through_flax(tmp_path):
+@pytest.mark.parametrize("layout", ["before_issue_34", "issue_34"])
+def test_an_old_orbax_checkpoint_says_what_is_missing_and_loads_through_flax(tmp_path, layout):
     state = jaxmp.adjust(jaxmp.init_scaler(), False)
+    old = (_old_checkpoint(state) if layout == "before_issue_34"
+           else _issue34_checkpoint(state, 0))
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(tmp_path / "old", {"scaler": _old_checkpoint(state)})
+    checkpointer.save(tmp_path / "old", {"scaler": old})
     checkpointer.wait_until_finished()
-    with pytest.raises(ValueError, match="alarm_record"):  # orbax names the missing fields
+    with pytest.raises(ValueError, match="alarm_periods"):  # orbax names the missing fields
         checkpointer.restore(tmp_path / "old", {"scaler": jaxmp.init_scaler()})
     # What docs/checkpoint.md says to do: restore without a target, then build the state.
     raw = checkpointer.restore(tmp_path / "old")
     checkpointer.close()
     restored = flax.serialization.from_state_dict(jaxmp.init_scaler(), raw["scaler"])
     assert int(restored.skipped_steps) == 1 and float(restored.scale) == 2.0**14
-    assert int(restored.longest_skip_run) == 1
+    assert int(restored.longest_skip_run) == 1 and restored.alarm_periods.tolist() == [0, 0]
 
 
 def test_a_state_dict_missing_other_fields_is_a_clear_error():

@@ -2,6 +2,7 @@
 
 import re
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -629,6 +630,16 @@ def test_alarms_are_read_from_returned_states_even_when_donated():
         for _ in range(8):
             state = step(state, jnp.asarray(False))
     assert len(record) == 1
+
+
+def test_the_stuck_message_on_the_docs_page_is_what_jaxmp_says():
+    # docs/float16_stuck.md quotes the warning of a naive float16 port: every step overflows, the
+    # default scaler reaches its minimum after 15 back-offs, stuck from the 15th step.
+    with pytest.warns(jaxmp.TrainingStuckWarning) as record:
+        _run_flags(jaxmp.init_scaler(), [False] * 17)
+    said = f"{record[0].category.__name__}: {record[0].message}"
+    page = (Path(__file__).resolve().parents[1] / "docs" / "float16_stuck.md").read_text()
+    assert said in page
 
 
 def _skip_pattern(period, n, skip_first=0):
