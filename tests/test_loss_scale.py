@@ -568,6 +568,11 @@ def test_frequent_skips_say_the_current_scale_not_its_range():
     assert f"since step {alarm_step}:" in message
     assert f"The loss scale is now {scale:g} (the scaler keeps it within [1, " in message
     assert "is now in [" not in message
+    # The advice diagnoses at the scale the last skipped step ran at (the scale before it).
+    flags = _skip_pattern(2, 100)
+    last_skip = max(i for i in range(alarm_step) if not flags[i])
+    ran_at = seen[last_skip - 1][1]
+    assert ran_at != scale and f"scaler_state=jaxmp.static_scaler({ran_at!r})" in message
 
 
 def test_alarm_record_step_is_deprecated_and_reads_the_latest_alarm():

@@ -204,8 +204,7 @@ class Period(NamedTuple):
         start, end: the first and the last step with the kind's bit set.
         number: which period of the kind this is (1 for the first).
         periods: how many periods of the kind the run had.
-        skip_scale: the loss scale the last skipped step of the period ran at
-            (known for the latest period only; the minimum scale otherwise).
+        skip_scale: the loss scale the last skipped step of the period ran at.
     """
 
     kind: int
@@ -271,8 +270,8 @@ def past_alarm_message(state: State, period: Period, steps: int, longest: int,
     )
 
 
-# The words _alarm_words computes per scaler: six about the state, then six per alarm kind.
-_HEAD, _PER_KIND = 6, 6
+# The words _alarm_words computes per scaler: six about the state, then seven per alarm kind.
+_HEAD, _PER_KIND = 6, 7
 
 
 def _as_int32(x: jax.Array) -> jax.Array:
@@ -284,16 +283,17 @@ def _alarm_words(state: State) -> jax.Array:
     """What the host needs to say an alarm: one row per scaler (``vmap`` makes several).
 
     The alarm, the step, the streak and the skips of the window, the longest
-    run of skips and the scale (its bits); then per alarm kind: its number of
-    periods, its first period's first and last step, its latest period's, and
-    the scale (bits) the latest period's last skipped step ran at.
+    run of skipped steps and the scale (its bits); then per alarm kind: its
+    number of periods, its first period's first and last step and the scale
+    (bits) its last skipped step ran at, and the same of its latest period.
     """
     rows = state.steps.size
     skipped = jax.lax.population_count(state.recent).astype(jnp.int32).sum(axis=-1)
     head = [state.alarm, state.steps, state.overflow_streak, skipped, state.longest_skip_run,
             _as_int32(state.scale)]
     kinds = [state.alarm_periods, state.first_alarm[..., 0], state.first_alarm[..., 1],
-             state.last_alarm[..., 0], state.last_alarm[..., 1], _as_int32(state.alarm_scale)]
+             _as_int32(state.alarm_scale[..., 0]), state.last_alarm[..., 0],
+             state.last_alarm[..., 1], _as_int32(state.alarm_scale[..., 1])]
     return jnp.concatenate([jnp.stack([jnp.ravel(w) for w in head], axis=-1),
                             jnp.stack([w.reshape(rows, -1) for w in kinds], axis=-1).reshape(
                                 rows, -1)], axis=-1)
@@ -309,19 +309,19 @@ def _as_float(word: int) -> float:
 _SAID: set = set()
 
 
-def _periods(state: State, row: list) -> list[tuple[Period, bool]]:
+def _periods(row: list) -> list[tuple[Period, bool]]:
     """The periods a row of words shows, each with whether it goes on, by first step."""
     alarm = row[0]
     found = []
     for i, kind in enumerate(KINDS):
-        n, first_start, first_end, start, end, scale_bits = row[_HEAD + i * _PER_KIND:][
-            :_PER_KIND]
+        n, first_start, first_end, first_scale, start, end, scale = row[
+            _HEAD + i * _PER_KIND:][:_PER_KIND]
         if n == 0:
             continue
-        found.append((Period(kind, start, end, n, n, _as_float(scale_bits)),
-                      bool(alarm & kind)))
+        found.append((Period(kind, start, end, n, n, _as_float(scale)), bool(alarm & kind)))
         if n > 1:
-            found.append((Period(kind, first_start, first_end, 1, n, state.min_scale), False))
+            found.append((Period(kind, first_start, first_end, 1, n, _as_float(first_scale)),
+                          False))
     return sorted(found, key=lambda p: p[0].start)
 
 
@@ -339,7 +339,7 @@ def _say_alarm(settings: State, words: np.ndarray) -> None:
         _, steps, streak, skipped, longest, scale_bits = row[:_HEAD]
         _SAID.difference_update([key for key in _SAID if key[1] > steps])
         scale = _as_float(scale_bits)
-        for period, going_on in _periods(settings, row):
+        for period, going_on in _periods(row):
             if (period.kind, period.start) in _SAID:
                 continue
             _SAID.add((period.kind, period.start))

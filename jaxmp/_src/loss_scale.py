@@ -88,7 +88,7 @@ class ScalerState:
             (frequent skips), 3 (both) or 0; jaxmp reads it on the host and
             says what it means.
         alarm_step: int32 scalar, the value of ``steps`` when ``alarm`` last
-            changed, so that each alarm is said once.
+            changed.
         longest_skip_run: int32 scalar, the longest run of consecutive skipped
             steps of the whole run (the largest ``overflow_streak`` so far).
         alarm_record: int32 scalar, every alarm bit raised in the whole run
@@ -103,8 +103,8 @@ class ScalerState:
             With ``first_alarm``, the record from which a run inside one
             ``jit`` (steps in a ``lax.scan``), whose state comes back to the
             host once, says each period as a loop of steps would have.
-        alarm_scale: float32 ``[2]``, per kind, the loss scale that the last
-            skipped step of its latest period ran at.
+        alarm_scale: float32 ``[2, 2]``, per kind, the loss scale that the
+            last skipped step of its first and of its latest period ran at.
         mode: ``"dynamic"``, ``"static"`` or ``"none"`` (static field).
         growth_interval, growth_factor, backoff_factor, min_scale, max_scale,
         hysteresis: the settings (static fields).
@@ -205,9 +205,9 @@ def _periods_of_old_record(state: dict) -> dict:
     start = np.where(raised, np.asarray(state["alarm_record_step"], np.int32)[..., None], 0)
     end = np.where(on, np.asarray(state.get("steps", 0), np.int32)[..., None], start)
     period = np.stack([start, end], axis=-1).astype(np.int32)
-    scale = np.asarray(state.get("scale", 1.0), np.float32)[..., None]
+    scale = np.where(raised, np.asarray(state.get("scale", 1.0), np.float32)[..., None], 0)
     return {"alarm_periods": raised.astype(np.int32), "first_alarm": period,
-            "last_alarm": period, "alarm_scale": np.where(raised, scale, 0).astype(np.float32)}
+            "last_alarm": period, "alarm_scale": np.stack([scale, scale], -1).astype(np.float32)}
 
 
 def _from_state_dict(target: ScalerState, state: dict) -> ScalerState:
@@ -297,7 +297,7 @@ def _make_state(initial_scale, mode, *, on_stuck, stuck_after, **settings) -> Sc
         alarm_periods=jnp.zeros((len(alarms.KINDS),), jnp.int32),
         first_alarm=jnp.zeros((len(alarms.KINDS), 2), jnp.int32),
         last_alarm=jnp.zeros((len(alarms.KINDS), 2), jnp.int32),
-        alarm_scale=jnp.zeros((len(alarms.KINDS),), jnp.float32),
+        alarm_scale=jnp.zeros((len(alarms.KINDS), 2), jnp.float32),
         mode=mode,
         on_stuck=on_stuck,
         stuck_after=stuck_after,
@@ -637,15 +637,16 @@ def _record_periods(state: ScalerState, alarm: jax.Array, steps: jax.Array,
     steps = jnp.broadcast_to(steps[..., None], on.shape)
     last = jnp.stack([jnp.where(rose, steps, state.last_alarm[..., 0]),
                       jnp.where(on, steps, state.last_alarm[..., 1])], axis=-1)
-    # While a kind's first period is its latest, the two are the same.
-    first = jnp.where((periods == 1)[..., None], last, state.first_alarm)
     skipped_here = on & jnp.logical_not(finite)
+    last_scale = jnp.where(skipped_here, state.scale[..., None], state.alarm_scale[..., 1])
+    # While a kind's first period is its latest, the two are the same.
+    first = (periods == 1)[..., None]
     return {
         "alarm_periods": periods.astype(jnp.int32),
-        "first_alarm": first.astype(jnp.int32),
+        "first_alarm": jnp.where(first, last, state.first_alarm).astype(jnp.int32),
         "last_alarm": last.astype(jnp.int32),
-        "alarm_scale": jnp.where(skipped_here, state.scale[..., None],
-                                 state.alarm_scale).astype(jnp.float32),
+        "alarm_scale": jnp.where(first, last_scale[..., None], jnp.stack(
+            [state.alarm_scale[..., 0], last_scale], axis=-1)).astype(jnp.float32),
     }
 
 
