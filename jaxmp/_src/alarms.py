@@ -172,8 +172,9 @@ def skips_message(state: State, skipped: int, start: int | None = None,
     """The text a user reads when many recent steps were skipped (see :func:`jaxmp.adjust`).
 
     ``start`` is the step at which a third of the recent steps had been
-    skipped, ``scale`` the loss scale now and ``skip_scale`` the one the last
-    skipped step ran at (the settings' minimum when not given).
+    skipped, ``scale`` the loss scale now (the minimum when not given) and
+    ``skip_scale`` the one the last skipped step ran at (``scale`` when not
+    given).
     """
     scale = state.min_scale if scale is None else scale
     skip_scale = scale if skip_scale is None else skip_scale
