@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import warnings
 
 import flax.serialization
 import jax
@@ -12,6 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxmp
+from jaxmp._src import host
 
 N, M = 8, 8  # steps before and after the restart
 
@@ -190,14 +192,27 @@ def test_every_setting_survives_a_json_round_trip(make):
     assert jax.tree_util.tree_structure(rebuilt) == jax.tree_util.tree_structure(state)
 
 
-RECORD = ("longest_skip_run", "alarm_record", "alarm_record_step")
+# The record of the run (issue 34) and, since issue 40, the periods of each alarm kind in place
+# of the step of the latest alarm (alarm_record_step).
+RECORD = ("longest_skip_run", "alarm_record")
+PERIODS = ("alarm_periods", "first_alarm", "last_alarm", "alarm_scale")
 
 
 def _old_checkpoint(state):
     """The state dict of ``state`` as jaxmp wrote it before the scaler kept a record of the run."""
     old = flax.serialization.to_state_dict(state)
-    for name in RECORD:
+    for name in RECORD + PERIODS:
         del old[name]
+    return old
+
+
+def _issue34_checkpoint(state, record_step):
+    """The state dict of ``state`` as jaxmp wrote it from issue 34 to issue 40: the record kept
+    the step of the latest alarm raised, ``record_step``, and no periods."""
+    old = flax.serialization.to_state_dict(state)
+    for name in PERIODS:
+        del old[name]
+    old["alarm_record_step"] = np.asarray(record_step, np.int32)
     return old
 
 
@@ -207,32 +222,65 @@ def test_a_checkpoint_from_before_the_record_loads():
     blob = flax.serialization.msgpack_serialize(_old_checkpoint(state))
     restored = flax.serialization.from_bytes(jaxmp.init_scaler(hysteresis=3), blob)
     assert int(restored.overflow_streak) == 2 and int(restored.longest_skip_run) == 2
-    assert int(restored.alarm_record) == 0 and int(restored.alarm_record_step) == 0
+    assert int(restored.alarm_record) == 0 and restored.alarm_periods.tolist() == [0, 0]
     assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(state)
-    for name in RECORD:
-        assert getattr(restored, name).dtype == jnp.int32
-    # A stuck alarm in the old checkpoint is on the record of the restored state.
+    for name in RECORD + PERIODS:
+        assert getattr(restored, name).dtype == getattr(state, name).dtype
+        assert getattr(restored, name).shape == getattr(state, name).shape
+    # A stuck alarm in the old checkpoint is on the record of the restored state: a period that
+    # began when the alarm was raised and goes on.
     stuck = jaxmp.init_scaler(initial_scale=1.0, stuck_after=2, on_stuck="off")
-    stuck = jaxmp.adjust(jaxmp.adjust(stuck, False), False)
+    stuck = jaxmp.adjust(jaxmp.adjust(jaxmp.adjust(stuck, False), False), False)
     old = _old_checkpoint(stuck)
     old["alarm"], old["alarm_step"] = np.asarray(1, np.int32), np.asarray(2, np.int32)
     restored = flax.serialization.from_state_dict(stuck, old)
-    assert int(restored.alarm_record) == 1 and int(restored.alarm_record_step) == 2
+    assert int(restored.alarm_record) == 1 and restored.alarm_periods.tolist() == [1, 0]
+    assert restored.last_alarm.tolist() == [[2, 3], [0, 0]] == restored.first_alarm.tolist()
 
 
-def test_an_old_orbax_checkpoint_says_what_is_missing_and_loads_through_flax(tmp_path):
+def test_a_checkpoint_with_the_latest_alarm_step_loads_with_periods():
+    # Written between issues 34 and 40: stuck, recovered, and the step of the latest alarm.
+    state = jaxmp.init_scaler(initial_scale=1.0, stuck_after=2, on_stuck="off")
+    for f in [False] * 4 + [True] * 3:
+        state = jaxmp.adjust(state, f)
+    old = _issue34_checkpoint(state.replace(alarm_record=jnp.asarray(1, jnp.int32)), 2)
+    target = jaxmp.init_scaler(stuck_after=2)
+    restored = flax.serialization.from_bytes(target, flax.serialization.msgpack_serialize(old))
+    assert restored.alarm_periods.tolist() == [1, 0]
+    assert restored.last_alarm.tolist() == [[2, 2], [0, 0]]  # its end is not known: its start
+    assert int(restored.skipped_steps) == 4 and int(restored.steps) == 7
+    assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(target)
+    for name in PERIODS:
+        assert getattr(restored, name).dtype == getattr(state, name).dtype
+    # The restored state carries on: a new stuck period is the second, said once.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for f in [False] * 3:
+            restored = jaxmp.adjust(restored, f)
+        host.flush()
+    said = [str(w.message) for w in caught if w.category is jaxmp.TrainingStuckWarning]
+    # (A resumed run also says the record it restored: the period that ended at step 2.)
+    assert [m for m in said if "stuck since step 9" in m] == said[-1:]
+    assert restored.alarm_periods.tolist() == [2, 0]
+    assert restored.first_alarm.tolist()[0] == [2, 2] and restored.last_alarm.tolist()[0] == [9, 10]
+
+
+@pytest.mark.parametrize("layout", ["before_issue_34", "issue_34"])
+def test_an_old_orbax_checkpoint_says_what_is_missing_and_loads_through_flax(tmp_path, layout):
     state = jaxmp.adjust(jaxmp.init_scaler(), False)
+    old = (_old_checkpoint(state) if layout == "before_issue_34"
+           else _issue34_checkpoint(state, 0))
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(tmp_path / "old", {"scaler": _old_checkpoint(state)})
+    checkpointer.save(tmp_path / "old", {"scaler": old})
     checkpointer.wait_until_finished()
-    with pytest.raises(ValueError, match="alarm_record"):  # orbax names the missing fields
+    with pytest.raises(ValueError, match="alarm_periods"):  # orbax names the missing fields
         checkpointer.restore(tmp_path / "old", {"scaler": jaxmp.init_scaler()})
     # What docs/checkpoint.md says to do: restore without a target, then build the state.
     raw = checkpointer.restore(tmp_path / "old")
     checkpointer.close()
     restored = flax.serialization.from_state_dict(jaxmp.init_scaler(), raw["scaler"])
     assert int(restored.skipped_steps) == 1 and float(restored.scale) == 2.0**14
-    assert int(restored.longest_skip_run) == 1
+    assert int(restored.longest_skip_run) == 1 and restored.alarm_periods.tolist() == [0, 0]
 
 
 def test_a_state_dict_missing_other_fields_is_a_clear_error():

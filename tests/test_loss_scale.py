@@ -1,6 +1,8 @@
 """Tests of jaxmp._src.loss_scale."""
 
+import re
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -430,10 +432,15 @@ def test_a_stuck_period_inside_one_jit_is_said_when_the_state_comes_back():
         final, metrics = _one_jit_run(jaxmp.init_scaler(initial_scale=8.0, stuck_after=4), flags)
     assert int(final.alarm) == 0 and int(final.skipped_steps) == 20
     assert int(final.longest_skip_run) == 20 and int(final.alarm_record) == jaxmp_stuck()
-    assert int(final.alarm_record_step) == 4  # 8 -> 4 -> 2 -> 1, then 4 overflows at 1
+    # Stuck from step 4 (8 -> 4 -> 2 -> 1, then 4 overflows at 1) to step 20; never skipping
+    # often (the skips before the first finite step do not count).
+    assert np.asarray(final.last_alarm).tolist() == [[4, 20], [0, 0]]
+    assert np.asarray(final.first_alarm).tolist() == [[4, 20], [0, 0]]
+    assert np.asarray(final.alarm_periods).tolist() == [1, 0]
     assert len(record) == 1
     message = str(record[0].message)
-    assert "got stuck at step 4" in message and "recovered by step 50" in message
+    assert "got stuck at step 4" in message and "stayed stuck to step 20 (17 steps)" in message
+    assert "recovered by step 50" in message
     assert "longest run of skipped steps in this run: 20" in message
     # Per step, as outputs of the scan: where it was stuck, and the longest run so far.
     alarm = np.asarray(metrics["alarm"])
@@ -483,6 +490,100 @@ def test_the_record_raises_with_on_stuck_raise_and_is_silent_with_off():
     assert int(final.alarm_record) == 0 and int(final.longest_skip_run) == 12
 
 
+def _said(flags, make, one_jit):
+    """``(warning class, first step)`` of each alarm said for the steps ``flags``: step by step
+    (a jitted ``adjust`` per step, as a Python loop) or in one jitted scan."""
+    from jaxmp._src import host  # pylint: disable=g-import-not-at-top
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        final = _one_jit_run(make(), flags)[0] if one_jit else _run_flags(make(), flags)
+        host.flush()
+    said = [(w.category.__name__, int(re.search(r"step (\d+)", str(w.message)).group(1)))
+            for w in caught if issubclass(w.category, RuntimeWarning)]
+    return said, final
+
+
+_PERIODS = {
+    # Stuck from the 8th step (16 -> 1 in 4 back-offs, then 4 at 1) to the 16th, then every
+    # other step skipped: frequent skips from step 36, after the stuck period ended (issue 40).
+    "stuck_then_skips": [True] * 4 + [False] * 12 + [i % 2 == 0 for i in range(80)] + [True] * 90,
+    # Stuck long enough (30 steps) that a third of the recent steps are skipped too (alarm 3):
+    # a loop used to say the stuck period twice.
+    "stuck_and_skips": [True] * 4 + [False] * 30 + [True] * 90,
+    "stuck_twice": [True] * 4 + [False] * 9 + [True] * 100 + [False] * 6 + [True] * 3,
+}
+
+
+@pytest.mark.parametrize("pattern", sorted(_PERIODS))
+def test_a_run_in_one_jit_says_every_period_a_loop_says(pattern):
+    flags = _PERIODS[pattern]
+
+    def make():
+        return jaxmp.init_scaler(initial_scale=16.0, stuck_after=4)
+
+    loop, _ = _said(flags, make, one_jit=False)
+    scan, final = _said(flags, make, one_jit=True)
+    assert scan == loop
+    # Each period is said once, by its kind and the step it began.
+    expected = {
+        "stuck_then_skips": [("TrainingStuckWarning", 8), ("SkippedStepsWarning", 36)],
+        "stuck_and_skips": [("TrainingStuckWarning", 8), ("SkippedStepsWarning", 26)],
+        "stuck_twice": [("TrainingStuckWarning", 8), ("TrainingStuckWarning", 117)],
+    }[pattern]
+    assert loop == expected
+    if pattern == "stuck_then_skips":  # the record: when each began and ended
+        assert np.asarray(final.last_alarm).tolist() == [[8, 16], [36, 117]]
+        assert int(final.alarm) == 0
+
+
+def test_a_kind_with_three_periods_in_one_jit_says_its_first_and_latest():
+    flags = ([True] * 4 + [False] * 9 + [True] * 100) + ([False] * 6 + [True] * 100) * 2
+    make = lambda: jaxmp.init_scaler(initial_scale=16.0, stuck_after=4)  # noqa: E731
+    loop, _ = _said(flags, make, one_jit=False)
+    assert loop == [("TrainingStuckWarning", 8), ("TrainingStuckWarning", 117),
+                    ("TrainingStuckWarning", 223)]
+    with pytest.warns(jaxmp.TrainingStuckWarning) as record:
+        final, _ = _one_jit_run(make(), flags)
+        from jaxmp._src import host  # pylint: disable=g-import-not-at-top
+        host.flush()
+    assert int(final.alarm_periods[0]) == 3
+    first, latest = (str(w.message) for w in record)
+    assert "got stuck at step 8 " in first and "the first of 3 such periods" in first
+    assert "got stuck at step 223 " in latest and "stayed stuck to step 225 (3 steps" in latest
+    assert "the latest of 3 such periods in this run, 1 of them between" in latest
+
+
+def test_frequent_skips_say_the_current_scale_not_its_range():
+    # Every other step skipped at a growing scale: the scale is not its minimum when said.
+    state, seen = jaxmp.init_scaler(initial_scale=2.0**10, growth_interval=1), []
+    step = jax.jit(jaxmp.adjust)
+    with pytest.warns(jaxmp.SkippedStepsWarning) as record:
+        for f in _skip_pattern(2, 100):
+            state = step(state, jnp.asarray(f))
+            seen.append((int(state.alarm), float(state.scale), int(state.steps)))
+        jax.block_until_ready(state)
+    alarm_step = next(steps for alarm, _, steps in seen if alarm)
+    scale = seen[alarm_step - 1][1]
+    message = str(record[0].message)
+    assert f"since step {alarm_step}:" in message
+    assert f"The loss scale is now {scale:g} (the scaler keeps it within [1, " in message
+    assert "is now in [" not in message
+    # The advice diagnoses at the scale the last skipped step ran at (the scale before it).
+    flags = _skip_pattern(2, 100)
+    last_skip = max(i for i in range(alarm_step) if not flags[i])
+    ran_at = seen[last_skip - 1][1]
+    assert ran_at != scale and f"scaler_state=jaxmp.static_scaler({ran_at!r})" in message
+
+
+def test_alarm_record_step_is_deprecated_and_reads_the_latest_alarm():
+    state = jaxmp.init_scaler(initial_scale=16.0, stuck_after=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        final, _ = _one_jit_run(state, _PERIODS["stuck_then_skips"])
+    with pytest.warns(DeprecationWarning, match="last_alarm"):
+        assert int(final.alarm_record_step) == 36  # the frequent skips, the latest alarm raised
+
+
 @pytest.mark.parametrize("kind", sorted(ALL_STATES))
 def test_the_record_round_trips(kind):
     state = ALL_STATES[kind]()
@@ -490,14 +591,15 @@ def test_the_record_round_trips(kind):
         warnings.simplefilter("ignore")
         for f in [False] * 12 + [True] * 3:
             state = jaxmp.adjust(state, f)
-    record = (state.longest_skip_run, state.alarm_record, state.alarm_record_step)
-    assert int(record[0]) == 12
+    names = ("longest_skip_run", "alarm_record", "alarm_periods", "first_alarm", "last_alarm",
+             "alarm_scale")
+    record = [np.asarray(getattr(state, name)).tolist() for name in names]
+    assert record[0] == 12 and record[2] == [1, 0]
     flat, treedef = jax.tree_util.tree_flatten(state)
     for s in (jax.tree_util.tree_unflatten(treedef, flat), jax.jit(lambda s: s)(state),
               jax.lax.scan(lambda c, _: (c, None), state, None, length=2)[0],
               serialization.from_bytes(ALL_STATES[kind](), serialization.to_bytes(state))):
-        assert [int(x) for x in (s.longest_skip_run, s.alarm_record, s.alarm_record_step)] == [
-            int(x) for x in record]
+        assert [np.asarray(getattr(s, name)).tolist() for name in names] == record
         _assert_same_type(s, state)
 
 
@@ -533,6 +635,16 @@ def test_alarms_are_read_from_returned_states_even_when_donated():
         for _ in range(8):
             state = step(state, jnp.asarray(False))
     assert len(record) == 1
+
+
+def test_the_stuck_message_on_the_docs_page_is_what_jaxmp_says():
+    # docs/float16_stuck.md quotes the warning of a naive float16 port: every step overflows, the
+    # default scaler reaches its minimum after 15 back-offs, stuck from the 15th step.
+    with pytest.warns(jaxmp.TrainingStuckWarning) as record:
+        _run_flags(jaxmp.init_scaler(), [False] * 17)
+    said = f"{record[0].category.__name__}: {record[0].message}"
+    page = (Path(__file__).resolve().parents[1] / "docs" / "float16_stuck.md").read_text()
+    assert said in page
 
 
 def _skip_pattern(period, n, skip_first=0):

@@ -7,6 +7,8 @@ while: the run gets stuck inside the jit, recovers, and says so once when its st
 The runs against float32 (both frameworks, float16 and bfloat16) are slow.
 """
 
+import functools
+import re
 import subprocess
 import sys
 import time
@@ -16,6 +18,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jaxmp
@@ -72,6 +75,7 @@ def test_a_run_in_one_jit_reports_a_stuck_period_and_metrics_per_step():
     assert len(record) == 1
     message = str(record[0].message)
     assert "got stuck at step 8" in message and "recovered by step 24" in message
+    assert "stayed stuck to step 16 (9 steps)" in message
     assert int(final.scaler.alarm) == 0
 
     per_step = jax.device_get(metrics["step"])
@@ -102,8 +106,119 @@ def test_the_message_on_the_docs_page_is_what_jaxmp_says():
         host.flush()
     said = f"{caught[0].category.__name__}: {caught[0].message}"
     page = (ROOT / "docs" / "one_jit.md").read_text()
-    shown = page.split("```text\n")[1].split("\n  Find the operation")[0]
-    assert " ".join(shown.split()) == " ".join(said.split("\n  Find the operation")[0].split())
+    # Up to the fixes, the advice included (the page wraps its lines).
+    shown = page.split("```text\n")[1].split("\n  Then fix it")[0]
+    assert " ".join(shown.split()) == " ".join(said.split("\n  Then fix it")[0].split())
+
+
+# --- A float16 run stuck, then skipping often, in one jit and as a Python loop (issue 40) ---
+
+N_STEPS = 300
+
+
+def _classifier_loss(params, x, y, factor):
+    # A bug in the user's code: ``factor`` is 1e6 on some steps.
+    logits = x @ params["w"] + params["b"]
+    return factor * optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+OPTIMIZER = optax.sgd(0.1)
+GRAD_FN = jaxmp.mp_value_and_grad(_classifier_loss, compute_dtype=jnp.float16)
+
+
+def _classifier_step(carry, batch):
+    params, opt_state, scaler = carry
+    loss, grads, scaler, finite = GRAD_FN(params, *batch, scaler_state=scaler)
+    params, opt_state = jaxmp.optimizer_update(params, OPTIMIZER, opt_state, grads, finite)
+    return (params, opt_state, scaler), {"finite": finite, **jaxmp.scaler_metrics(scaler)}
+
+
+@functools.lru_cache(maxsize=None)
+def _classifier_data():
+    """The parameters and 300 batches, the loss times 1e6 on the steps 51-66 (counted from 1)
+    and on every other step up to the 120th: stuck at the minimum scale, then skipping often."""
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    params = {"w": jax.random.normal(k1, (8, 4)) / 3, "b": jnp.zeros(4)}
+    i = np.arange(N_STEPS)
+    bad = ((i >= 50) & (i < 66)) | ((i >= 66) & (i < 120) & (i % 2 == 1))
+    batches = (jax.random.normal(k2, (N_STEPS, 16, 8)),
+               jax.random.randint(k3, (N_STEPS, 16), 0, 4),
+               jnp.asarray(np.where(bad, 1e6, 1.0), jnp.float32))
+    return params, batches
+
+
+@functools.lru_cache(maxsize=None)
+def _run_classifier(one_jit):
+    """The warnings of 300 steps, in one jit or as a Python loop, and the per-step metrics."""
+    params, batches = _classifier_data()
+    carry = (params, OPTIMIZER.init(params), jaxmp.scaler_for(jnp.float16))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if one_jit:
+            carry, metrics = jax.jit(lambda c, b: jax.lax.scan(_classifier_step, c, b))(
+                carry, batches)
+        else:
+            step, metrics = jax.jit(_classifier_step), []
+            for i in range(N_STEPS):
+                carry, m = step(carry, jax.tree.map(lambda b: b[i], batches))
+                metrics.append(m)
+            metrics = jax.tree.map(lambda *m: jnp.stack(m), *metrics)
+        jax.block_until_ready(carry)
+        from jaxmp._src import host  # pylint: disable=g-import-not-at-top
+        host.flush()
+    said = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    return said, carry, jax.device_get(metrics)
+
+
+def _kind_and_step(warning):
+    return warning.category.__name__, int(re.search(r"step (\d+)", str(warning.message))[1])
+
+
+def test_a_run_in_one_jit_says_every_period_as_the_same_loop_does():
+    loop, _, loop_metrics = _run_classifier(one_jit=False)
+    scan, (params, _, scaler), metrics = _run_classifier(one_jit=True)
+    # Stuck at the minimum scale from the 65th step (15 back-offs from 2**15, then at 1); a
+    # third of the recent steps skipped from the 78th: each said once, with its step.
+    expected = [("TrainingStuckWarning", 65), ("SkippedStepsWarning", 78)]
+    assert [_kind_and_step(w) for w in loop] == expected
+    assert [_kind_and_step(w) for w in scan] == expected
+    stuck, skips = (str(w.message) for w in scan)
+    assert "stayed stuck to step 66 (2 steps)" in stuck and "recovered by step 300" in stuck
+    assert "from step 78 to step 141 (64 steps)" in skips
+    # The per-step metrics agree with the record and with the loop.
+    alarm = metrics["alarm"]
+    assert np.flatnonzero(alarm & 1).tolist() == [64, 65]  # steps 65 and 66, from 0 here
+    assert np.flatnonzero(alarm & 2)[[0, -1]].tolist() == [77, 140]
+    assert np.asarray(scaler.last_alarm).tolist() == [[65, 66], [78, 141]]
+    for key in ("finite", "alarm", "loss_scale"):
+        np.testing.assert_array_equal(loop_metrics[key], metrics[key])
+    assert all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree_util.tree_leaves(params))
+
+
+def _advised_call(message):
+    """The find_nonfinite call a warning advises, as written in it."""
+    return re.search(r"Find the operation:  print\((.*)\)  \(", message)[1]
+
+
+def test_the_advice_of_each_warning_diagnoses_at_the_scale_the_steps_were_skipped_at():
+    said, _, metrics = _run_classifier(one_jit=True)
+    params, batches = _classifier_data()
+    skipped = np.flatnonzero(~metrics["finite"])
+    for warning, step in zip(said, (60, skipped[-1])):  # a step skipped in each period
+        call = _advised_call(str(warning.message))
+        assert "scaler_state=jaxmp.static_scaler(1.0)" in call  # stuck, and skipping, at 1
+        # As the user runs it: their loss, their options, a batch whose step was skipped.
+        batch = jax.tree.map(lambda b: b[step], batches)  # pylint: disable=cell-var-from-loop
+        report = eval(call.replace("compute_dtype=...", "compute_dtype=jnp.float16"),  # noqa: S307
+                      {"jaxmp": jaxmp, "jnp": jnp, "loss_fn": _classifier_loss,
+                       "params": params, "batch": batch})
+        assert report and report.loss_scale == 1.0
+        hints = [f.hint for f in report.findings if f.kind == "overflow"]
+        assert hints and all("no loss scale fixes it" in h for h in hints), hints
+    # Without scaler_state (the advice before issue 40), the default scale 32768 blamed it.
+    report = jaxmp.debug.find_nonfinite(_classifier_loss, compute_dtype=jnp.float16)(
+        params, *jax.tree.map(lambda b: b[60], batches))
+    assert any("a smaller loss scale avoids it" in f.hint for f in report.findings)
 
 
 def _learning_runs(framework):

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -87,16 +88,23 @@ class ScalerState:
             (frequent skips), 3 (both) or 0; jaxmp reads it on the host and
             says what it means.
         alarm_step: int32 scalar, the value of ``steps`` when ``alarm`` last
-            changed, so that each alarm is said once.
+            changed.
         longest_skip_run: int32 scalar, the longest run of consecutive skipped
             steps of the whole run (the largest ``overflow_streak`` so far).
         alarm_record: int32 scalar, every alarm bit raised in the whole run
-            (``alarm`` is the current one): a stuck period that has ended
-            stays on record, so a run inside one ``jit`` (steps in a
-            ``lax.scan``), whose state comes back to the host once, still says
-            it.
-        alarm_record_step: int32 scalar, the value of ``steps`` when the
-            latest alarm was raised.
+            (``alarm`` is the current one).
+        alarm_periods: int32 ``[2]``, the number of periods (a rise of the
+            alarm's bit to its fall) of each alarm kind in the whole run:
+            index 0 stuck, index 1 frequent skips.
+        first_alarm: int32 ``[2, 2]``, per kind, the first and the last step
+            (values of ``steps``) of its first period; 0 for a kind never raised.
+        last_alarm: int32 ``[2, 2]``, per kind, the first and the last step of
+            its latest period, which goes on while ``alarm`` has the kind's bit.
+            With ``first_alarm``, the record from which a run inside one
+            ``jit`` (steps in a ``lax.scan``), whose state comes back to the
+            host once, says each period as a loop of steps would have.
+        alarm_scale: float32 ``[2, 2]``, per kind, the loss scale that the
+            last skipped step of its first and of its latest period ran at.
         mode: ``"dynamic"``, ``"static"`` or ``"none"`` (static field).
         growth_interval, growth_factor, backoff_factor, min_scale, max_scale,
         hysteresis: the settings (static fields).
@@ -131,7 +139,10 @@ class ScalerState:
     alarm_step: jax.Array
     longest_skip_run: jax.Array
     alarm_record: jax.Array
-    alarm_record_step: jax.Array
+    alarm_periods: jax.Array
+    first_alarm: jax.Array
+    last_alarm: jax.Array
+    alarm_scale: jax.Array
     mode: str = _setting("dynamic")
     growth_interval: int = _setting(2000)
     growth_factor: float = _setting(2.0)
@@ -147,18 +158,56 @@ class ScalerState:
         # returns (JAX rebuilds it with this constructor), is read once its step has run.
         alarms.watch(self)
 
+    @property
+    def alarm_record_step(self) -> jax.Array:
+        """Deprecated: the value of ``steps`` when the latest alarm was raised.
+
+        The record keeps each alarm kind's periods instead (``last_alarm``,
+        ``first_alarm``, ``alarm_periods``); this is ``last_alarm[..., 0]``'s
+        largest entry over the kinds raised.
+        """
+        warnings.warn(
+            "ScalerState.alarm_record_step is deprecated (issue 40): it kept only the latest "
+            "alarm's step. Read state.last_alarm[..., k, 0] (the first step of the latest "
+            "period of alarm kind k: 0 stuck, 1 frequent skips), with first_alarm and "
+            "alarm_periods.", DeprecationWarning, stacklevel=2)
+        raised = self.alarm_periods > 0
+        return jnp.max(jnp.where(raised, self.last_alarm[..., 0], 0), axis=-1)
+
 
 # The array fields of a ScalerState (what a checkpoint holds), and those added after
-# its first release (the record of the whole run). A checkpoint written before has none
-# of these: it is loaded with the record started from what it holds (``_from_state_dict``).
+# its first release: the record of the whole run (issue 34), whose latest alarm's step
+# (``alarm_record_step``) became the periods of each alarm kind (issue 40). A checkpoint
+# written before has not these: it is loaded with the record started from what it holds
+# (``_from_state_dict``).
 _ARRAY_FIELDS = tuple(f.name for f in dataclasses.fields(ScalerState)
                       if f.metadata.get("pytree_node", True))
 _RECORD_FIELDS = ("longest_skip_run", "alarm_record", "alarm_record_step")
+_PERIOD_FIELDS = ("alarm_periods", "first_alarm", "last_alarm", "alarm_scale")
 
 
 def _to_state_dict(state: ScalerState) -> dict:
     """What ``flax.serialization`` (and so a checkpoint) stores: the array fields."""
     return {name: serialization.to_state_dict(getattr(state, name)) for name in _ARRAY_FIELDS}
+
+
+def _periods_of_old_record(state: dict) -> dict:
+    """The periods of each alarm kind, from a record of the issue 34 layout.
+
+    That record kept the alarm kinds raised (``alarm_record``) and the step of
+    the latest raise (``alarm_record_step``): each kind raised gets one period
+    that starts there, and goes on to the current step if its bit is still set.
+    """
+    record = np.asarray(state["alarm_record"], np.int32)[..., None]
+    alarm = np.asarray(state.get("alarm", 0), np.int32)[..., None]
+    kinds = np.asarray(alarms.KINDS, np.int32)
+    raised, on = (record & kinds) != 0, (alarm & kinds) != 0
+    start = np.where(raised, np.asarray(state["alarm_record_step"], np.int32)[..., None], 0)
+    end = np.where(on, np.asarray(state.get("steps", 0), np.int32)[..., None], start)
+    period = np.stack([start, end], axis=-1).astype(np.int32)
+    scale = np.where(raised, np.asarray(state.get("scale", 1.0), np.float32)[..., None], 0)
+    return {"alarm_periods": raised.astype(np.int32), "first_alarm": period,
+            "last_alarm": period, "alarm_scale": np.stack([scale, scale], -1).astype(np.float32)}
 
 
 def _from_state_dict(target: ScalerState, state: dict) -> ScalerState:
@@ -167,8 +216,10 @@ def _from_state_dict(target: ScalerState, state: dict) -> ScalerState:
     The settings come from ``target``, the arrays from ``state``. A state dict
     without the record fields (a checkpoint from before they existed) gets them
     from its own counters: the longest run of skips is the current one, the
-    record is the current alarm. Any other missing or unknown field is an error
-    that lists the fields.
+    record is the current alarm, raised when the alarm last changed. One
+    without the periods of each alarm kind (before issue 40) gets one period
+    per kind on its record, from its latest alarm's step. Any other missing or
+    unknown field is an error that lists the fields.
     """
     state = dict(state)
     if all(name not in state for name in _RECORD_FIELDS) and "overflow_streak" in state:
@@ -177,6 +228,10 @@ def _from_state_dict(target: ScalerState, state: dict) -> ScalerState:
         state["alarm_record"] = alarm
         state["alarm_record_step"] = np.where(
             alarm != 0, np.asarray(state.get("alarm_step", 0), np.int32), np.int32(0))
+    if (all(name not in state for name in _PERIOD_FIELDS) and "alarm_record" in state
+            and "alarm_record_step" in state):
+        state.update(_periods_of_old_record(state))
+        del state["alarm_record_step"]
     missing = [name for name in _ARRAY_FIELDS if name not in state]
     unknown = sorted(set(state) - set(_ARRAY_FIELDS))
     if missing or unknown:
@@ -186,9 +241,10 @@ def _from_state_dict(target: ScalerState, state: dict) -> ScalerState:
             + ("; " if missing and unknown else "")
             + (f"unknown field(s) {', '.join(unknown)}" if unknown else "")
             + f". Its checkpoint holds the array fields {', '.join(_ARRAY_FIELDS)} (one "
-            f"written before the record fields {', '.join(_RECORD_FIELDS)} existed loads "
-            "without them): restore the scaler state saved with the run, onto a target made "
-            "by jaxmp.init_scaler, static_scaler or noop_scaler.")
+            f"written before the record fields {', '.join(_RECORD_FIELDS)} or "
+            f"{', '.join(_PERIOD_FIELDS)} existed loads without them): restore the scaler "
+            "state saved with the run, onto a target made by jaxmp.init_scaler, static_scaler "
+            "or noop_scaler.")
     return target.replace(**{
         name: serialization.from_state_dict(getattr(target, name), state[name], name=name)
         for name in _ARRAY_FIELDS})
@@ -238,7 +294,10 @@ def _make_state(initial_scale, mode, *, on_stuck, stuck_after, **settings) -> Sc
         alarm_step=jnp.zeros((), jnp.int32),
         longest_skip_run=jnp.zeros((), jnp.int32),
         alarm_record=jnp.zeros((), jnp.int32),
-        alarm_record_step=jnp.zeros((), jnp.int32),
+        alarm_periods=jnp.zeros((len(alarms.KINDS),), jnp.int32),
+        first_alarm=jnp.zeros((len(alarms.KINDS), 2), jnp.int32),
+        last_alarm=jnp.zeros((len(alarms.KINDS), 2), jnp.int32),
+        alarm_scale=jnp.zeros((len(alarms.KINDS), 2), jnp.float32),
         mode=mode,
         on_stuck=on_stuck,
         stuck_after=stuck_after,
@@ -478,11 +537,15 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
     state once the step has run, at the latest two steps later.
 
     The state also keeps a record of the whole run: the longest run of
-    skipped steps (``longest_skip_run``) and every alarm raised
-    (``alarm_record``, ``alarm_record_step``). A run of many steps inside one
-    ``jit`` (``lax.scan`` over steps) returns its state once, at its end: a
-    stuck period that ended before then is said from the record, once.
-    :func:`scaler_metrics` gives all of it per step, as an output of the scan.
+    skipped steps (``longest_skip_run``), every alarm kind raised
+    (``alarm_record``) and, per kind, how many periods it had and the steps
+    that began and ended its first and its latest (``alarm_periods``,
+    ``first_alarm``, ``last_alarm``). A run of many steps inside one ``jit``
+    (``lax.scan`` over steps) returns its state once, at its end: each period
+    that a loop of the same steps would have said as it happened is said from
+    the record then, once, with its steps (a kind with more than two periods:
+    its first and its latest, and how many). :func:`scaler_metrics` gives the
+    alarm per step, as an output of the scan.
 
     Args:
         state: a :class:`ScalerState`.
@@ -511,7 +574,7 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
         ...         state = jaxmp.adjust(state, False)
         >>> float(state.scale), int(state.overflow_streak), len(caught)
         (1.0, 5, 1)
-        >>> str(caught[0].message).startswith("jaxmp: training is stuck. The last 3 steps")
+        >>> str(caught[0].message).startswith("jaxmp: training is stuck since step 3. The last 3")
         True
     """
     check_scaler_state(state)
@@ -543,8 +606,6 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
                  | jnp.where(n_skipped >= alarms.FREQUENT_SKIPS, alarms.FREQUENT, 0))
     alarm = jnp.asarray(alarm, jnp.int32)
     alarm_step = jnp.where(alarm != state.alarm, steps, state.alarm_step)
-    # The record of the whole run: what a run read once, at its end, must still say.
-    raised = (alarm & ~state.alarm) != 0
     return state.replace(
         scale=new_scale,
         steps_since_overflow=since.astype(jnp.int32),
@@ -556,8 +617,37 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
         alarm_step=alarm_step.astype(jnp.int32),
         longest_skip_run=jnp.maximum(state.longest_skip_run, streak).astype(jnp.int32),
         alarm_record=state.alarm_record | alarm,
-        alarm_record_step=jnp.where(raised, steps, state.alarm_record_step).astype(jnp.int32),
+        **_record_periods(state, alarm, steps, finite),
     )
+
+
+def _record_periods(state: ScalerState, alarm: jax.Array, steps: jax.Array,
+                    finite: jax.Array) -> dict[str, jax.Array]:
+    """The record of each alarm kind's periods after a step whose alarm word is ``alarm``.
+
+    A period of a kind runs from the step its bit rises to the last step it is
+    set: what a loop of steps says as it happens, and a run inside one ``jit``
+    says from this record when its state comes back (the first and the latest
+    period of each kind, and how many there were).
+    """
+    kinds = jnp.asarray(alarms.KINDS, jnp.int32)
+    on = (alarm[..., None] & kinds) != 0
+    rose = on & ((state.alarm[..., None] & kinds) == 0)
+    periods = state.alarm_periods + rose.astype(jnp.int32)
+    steps = jnp.broadcast_to(steps[..., None], on.shape)
+    last = jnp.stack([jnp.where(rose, steps, state.last_alarm[..., 0]),
+                      jnp.where(on, steps, state.last_alarm[..., 1])], axis=-1)
+    skipped_here = on & jnp.logical_not(finite)
+    last_scale = jnp.where(skipped_here, state.scale[..., None], state.alarm_scale[..., 1])
+    # While a kind's first period is its latest, the two are the same.
+    first = (periods == 1)[..., None]
+    return {
+        "alarm_periods": periods.astype(jnp.int32),
+        "first_alarm": jnp.where(first, last, state.first_alarm).astype(jnp.int32),
+        "last_alarm": last.astype(jnp.int32),
+        "alarm_scale": jnp.where(first, last_scale[..., None], jnp.stack(
+            [state.alarm_scale[..., 0], last_scale], axis=-1)).astype(jnp.float32),
+    }
 
 
 # The most leaves all_finite reduces in one kernel: XLA:GPU fuses at most 96 operands into
