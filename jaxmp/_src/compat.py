@@ -234,20 +234,24 @@ def eval_jaxpr(jaxpr: Any, consts: Any, *args: Any) -> list:
 
 
 @contextlib.contextmanager
-def at_source_of(eqn):
+def at_source_of(eqn, own_names: bool = True):
     """Equations bound inside this block carry the source of ``eqn``: the user's line and names.
 
     The names are the ones ``jax.core.eval_jaxpr`` gives: the name stack of the
     current trace followed by the equation's own (its ``jax.named_scope``s,
     Flax and Haiku module paths), so that the compiled program's ``op_name``
-    metadata and a profile show the user's layers.
+    metadata and a profile show the user's layers. ``own_names=False``: the
+    current name stack alone, for a higher-order ``eqn`` bound as written from
+    within its own evaluation (:func:`inside_call`), which holds its names already.
 
     An equation with no frame in the user's code of its own (one of the body
     of a ``jnp.where`` or another cached ``jit`` of JAX's) carries instead the
     source of the call it is inside (:func:`inside_call`), once that call is
     inlined: the user's line of the ``jnp.where``.
     """
-    stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+    stack = _source_info.current_name_stack()
+    if own_names:
+        stack = stack + eqn.source_info.name_stack
     traceback = eqn.source_info.traceback
     outer = _ENCLOSING_SOURCE.get()
     if outer is not None and traceback is not outer and not user_frames(traceback):
@@ -264,33 +268,43 @@ _ENCLOSING_SOURCE: contextvars.ContextVar = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def inside_call(eqn):
-    """Within this block, equations evaluated inside the higher-order ``eqn`` whose own
-    traceback has no frame in the user's code are bound at ``eqn``'s source
-    (:func:`at_source_of`).
+    """The context in which an interpreter evaluates the higher-order ``eqn`` (its body, and
+    the loop, branch or call that replaces it).
 
-    JAX traces the body of a cached ``jit`` (``jnp.where``, ``jnp.var``...)
-    once, and its equations keep no frame of the code that called it; an
-    interpreter that inlines the call would otherwise lose the user's line.
+    Names: the current name stack is followed by ``eqn``'s own, as
+    ``jax.core.eval_jaxpr`` binds it. The equations of a body hold names
+    relative to the body (``layers/mlp`` in the ``scan`` of a Flax ``decoder``):
+    a body inlined (a ``jit``) carries ``Transformer/decoder/layers/mlp``, and a
+    body traced again (``lax.scan``...) is lowered under the new loop's
+    ``Transformer/decoder``, as the original program's is.
+
+    Source: equations inside ``eqn`` whose own traceback has no frame in the
+    user's code are bound at ``eqn``'s source (:func:`at_source_of`). JAX traces
+    the body of a cached ``jit`` (``jnp.where``, ``jnp.var``...) once, and its
+    equations keep no frame of the code that called it; an interpreter that
+    inlines the call would otherwise lose the user's line.
     """
-    traceback = eqn.source_info.traceback
-    if traceback is None or not user_frames(traceback):
-        yield  # the enclosing call's source, if any, still applies
-        return
-    token = _ENCLOSING_SOURCE.set(traceback)
-    try:
+    stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+    with contextlib.ExitStack() as scope:
+        scope.enter_context(_source_info.set_name_stack(stack))
+        traceback = eqn.source_info.traceback
+        if traceback is not None and user_frames(traceback):
+            source = _ENCLOSING_SOURCE.set(traceback)
+            scope.callback(_ENCLOSING_SOURCE.reset, source)
+        # else: the enclosing call's source, if any, still applies
         yield
-    finally:
-        _ENCLOSING_SOURCE.reset(token)
 
 
-def bind(eqn, invals: Any, params: Mapping[str, Any] | None = None) -> list:
+def bind(eqn, invals: Any, params: Mapping[str, Any] | None = None, *,
+         own_names: bool = True) -> list:
     """Binds the primitive of ``eqn`` on ``invals`` (arrays); always returns a list.
 
     ``params`` replaces the equation's parameters (see :func:`params_for_bind`).
-    The new equation keeps the source location of ``eqn`` (the user's line).
+    The new equation keeps the source location of ``eqn`` (the user's line) and,
+    unless ``own_names=False`` (see :func:`at_source_of`), its names.
     """
     params = eqn.params if params is None else params
-    with at_source_of(eqn):
+    with at_source_of(eqn, own_names):
         subfuns, bound = bind_params(eqn.primitive, params)
         out = eqn.primitive.bind(*subfuns, *invals, **bound)
     return list(out) if eqn.primitive.multiple_results else [out]

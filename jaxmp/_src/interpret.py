@@ -135,7 +135,7 @@ class Interpreter:
         handler = self.handlers.get(eqn.primitive.name)
         try:
             if handler is not None:
-                with compat.inside_call(eqn):  # its body's equations keep the user's line
+                with compat.inside_call(eqn):  # its body keeps the user's line and names
                     return handler(self, eqn, invals)
             if compat.is_higher_order(eqn):
                 _warn_unknown(eqn, "jaxmp has no rule for its body")
@@ -313,7 +313,9 @@ def _custom_parts(interp: Interpreter, eqn):
         return interp.eval_closed(body, xs)
 
     def original(*xs):
-        return bind(eqn, xs)
+        # Run from within the evaluation of ``eqn`` (or traced later under the names of the
+        # call that replaces it), whose names are already there.
+        return compat.bind(eqn, xs, own_names=False)
 
     def to_original(values):
         return [interp.to_original(x, a) for x, a in zip(values, in_avals)]
