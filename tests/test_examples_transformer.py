@@ -69,8 +69,8 @@ def test_naive_float16_port_is_detected_and_explained(ex, corpus):
     assert len(record) == 1 and "find_nonfinite" in str(record[0].message)
     assert int(ts.scaler.skipped_steps) == len(data) and float(ts.scaler.scale) == 1.0
     # Explained: the backward pass, at Haiku's layer norm, called from the example's model.
-    report = jaxmp.debug.find_nonfinite(loss_fn, autocast=False,
-                                        compute_dtype=jnp.float16)(params, *data[0])
+    report = jaxmp.debug.find_nonfinite(loss_fn, autocast=False, compute_dtype=jnp.float16)(
+        params, *data[0], scaler_state=jaxmp.static_scaler(float(ts.scaler.scale)))
     assert bool(report) and not [f for f in report.forward if f.kind == "overflow"]
     first = [f for f in report.backward if f.kind == "overflow"][0]
     assert first.where.startswith("layer_norm.py:") and first.primitive == "div"

@@ -224,10 +224,13 @@ def train(args: argparse.Namespace, precision: str, corpus: Corpus) -> dict[str,
 
     if int(ts.scaler.overflow_streak) >= ts.scaler.stuck_after:
         # Stuck: ask find_nonfinite which operation overflows, on the last batch,
-        # with the options of the training step (at a fresh scaler's scale).
+        # with the options of the training step, at the scale the run is stuck at
+        # (as the TrainingStuckWarning advises).
         options = grad_options(precision, args.autocast)
         del options["use_mixed_precision"]
-        report = jaxmp.debug.find_nonfinite(loss_fn, **options)(ts.params, *data[-1])
+        stuck_at = jaxmp.static_scaler(float(ts.scaler.scale))
+        report = jaxmp.debug.find_nonfinite(loss_fn, **options)(ts.params, *data[-1],
+                                                                scaler_state=stuck_at)
         print(f"\n{label} is stuck. jaxmp.debug.find_nonfinite says:\n{report}\n")
     return {
         "label": label,
