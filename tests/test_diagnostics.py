@@ -367,3 +367,18 @@ def test_gpu_program_counts_an_nnx_step_that_updates_in_place():
     program = jaxmp.debug.gpu_program(step, *args, target="h100")
     assert program.requested_flops == {"bfloat16": _NNX_STEP_FLOPS}
     assert sum(program.matmul_flops().values()) == _NNX_STEP_FLOPS
+
+
+def test_flop_tools_take_an_nnx_variable_argument():
+    """An nnx.Variable passed on its own (a step counter, a scale) is a graph node whose state is
+    its value, not an nnx.State (it raised 'len() of unsized object')."""
+    nnx = pytest.importorskip("flax.nnx")
+    layer, count = nnx.Linear(8, 4, rngs=nnx.Rngs(0)), nnx.Variable(jnp.zeros((), jnp.int32))
+
+    def step(layer, count, x):
+        count[...] = count[...] + 1
+        return jnp.sum(layer(x))
+
+    x = jnp.ones((2, 8))
+    assert jaxmp.debug.matmul_flops(step, layer, count, x) == {"float32": 2 * 2 * 8 * 4}
+    assert int(count[...]) == 0  # the caller's variable is left as it was

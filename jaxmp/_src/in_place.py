@@ -68,12 +68,15 @@ def functional(fn: Callable, args: tuple, kwargs: dict, *,
     if not at:
         return fn, args, kwargs
     graphdef, state = nnx.split([leaves[i] for i in at])
-    for j, i in enumerate(at):  # a node all of whose state another holds has none of its own
-        leaves[i] = state[j] if j in state else nnx.State({})
+    # A node all of whose state another holds has none of its own; a node may also be a
+    # Variable, whose state is a single value rather than an nnx.State.
+    own = [j in state for j in range(len(at))]
+    for j, i in enumerate(at):
+        leaves[i] = state[j] if own[j] else nnx.State({})
 
     def pure(*pure_args, **pure_kwargs):
         leaves = tree.flatten_up_to((pure_args, pure_kwargs))
-        state = nnx.State({j: leaves[i] for j, i in enumerate(at) if len(leaves[i])})
+        state = nnx.State({j: leaves[i] for j, i in enumerate(at) if own[j]})
         nodes = nnx.merge(graphdef, state, copy=True)  # fresh Variables: the caller's stay
         for i, node in zip(at, nodes):
             leaves[i] = node
