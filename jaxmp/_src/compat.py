@@ -99,22 +99,37 @@ def varying_axes(x: Any) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))  # jax <= 0.8
 
 
-def abstract_like(aval: Any) -> jax.ShapeDtypeStruct:
+def abstract_like(aval: Any, shape: Any = None, dtype: Any = None) -> jax.ShapeDtypeStruct:
     """A ``jax.ShapeDtypeStruct`` with ``aval``'s shape, dtype and varying manual axes.
 
     Tracing a function of it inside a ``shard_map`` body gives a program typed as
     the body's values are (a scan body retraced from plain shapes would lose its
     carry's varying axes and no longer match the scan). The keyword is
-    ``manual_axis_type`` from jax 0.9 on, ``vma`` before.
+    ``manual_axis_type`` from jax 0.9 on, ``vma`` before. ``shape`` and ``dtype``,
+    when given, replace ``aval``'s (a scan's slice of a stacked input, a narrowed
+    carry): the varying axes stay.
     """
+    shape = aval.shape if shape is None else tuple(shape)
+    dtype = aval.dtype if dtype is None else dtype
     manual = getattr(aval, "manual_axis_type", None)
     if manual is not None and manual.varying:
-        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=aval.sharding,
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=_sharding_of(aval, shape),
                                     manual_axis_type=manual)
     varying = getattr(aval, "vma", None)  # jax <= 0.8
     if manual is None and varying:
-        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=aval.sharding, vma=varying)
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=_sharding_of(aval, shape),
+                                    vma=varying)
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _sharding_of(aval: Any, shape: tuple) -> Any:
+    """``aval``'s (abstract-mesh) sharding, for an abstract value of ``shape``: its spec
+    without the leading entries of the dimensions ``shape`` drops (a scan's slice)."""
+    sharding = aval.sharding
+    if len(shape) == len(aval.shape):
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (len(aval.shape) - len(sharding.spec))
+    return sharding.update(spec=jax.sharding.PartitionSpec(*spec[len(aval.shape) - len(shape):]))
 
 
 def without_dead_code(jaxpr: Any, keep_inputs: bool = False) -> Any:

@@ -5,7 +5,8 @@ time, with the kinds of ``rules.py`` and the sets that ``analysis.py``
 computed beforehand.
 
 A value computed by a ``full_precision`` operation (or anything computed from
-one, and every loop carry) is *kept* in float32: an operation that mixes it
+one, and every loop carry but the ``scan`` carries that run in the compute
+dtype, see ``_scan``) is *kept* in float32: an operation that mixes it
 with a half-precision value runs in float32 rather than narrowing it, because
 such values (a large sum before a division, a variance, the normaliser of a
 softmax) are exactly the ones that overflow or lose their digits in half
@@ -116,7 +117,7 @@ class Autocast(interpret.Interpreter):
                  float8_rules: float8.Float8Rules = float8.Float8Rules(),
                  shifted: frozenset = frozenset(), narrow_early: frozenset = frozenset(),
                  float8_recipe: float8.Recipe | None = None):
-        super().__init__()
+        super().__init__({**interpret.HANDLERS, "scan": _scan})
         self.compute_dtype = compute_dtype
         self.rules = rules
         self.keep = keep
@@ -386,6 +387,87 @@ def _statistics(invals, kinds, floats) -> tuple[bool, bool]:
     stat_like = all(k in (_STAT, _INV) or invals[i].size == 1
                     for i, k in zip(floats, float_kinds))
     return stat_like, any(k in (_STAT, _INV) for k in float_kinds)
+
+
+# --- Scans: carries in the compute dtype ----------------------------------------------------
+
+
+def _scan(interp: Autocast, eqn, invals):
+    """A ``scan`` whose float32 carries run in the compute dtype where the body allows it.
+
+    As a hand-written half-precision step carries them: a float32 carry runs in
+    the compute dtype when, so carried, the body gives it back in the compute
+    dtype and not kept wide (a residual stream ``x + f(x)``, a hidden state
+    ``tanh(h @ w + x)``); one that the body gives back kept in float32 stays
+    float32 and kept (an accumulator fed by a sum, a value computed under
+    ``jaxmp.force_full_precision``). The dtypes are a fixed point: every wide
+    carry is narrowed, the body traced, those it gives back wide are widened
+    again, until none changes. Under ``jax.checkpoint`` (``nn.remat``) the
+    iterations then save half-precision inputs. Stacked inputs (a scanned
+    model's weights) stay as they are: each iteration casts its slice where a
+    product reads it, which XLA fuses into the product, where a cast of the
+    whole stack before the loop would keep a half-precision copy of every
+    weight alive for the backward pass and add a conversion of the stacked
+    gradients (measured: more scratch memory and bytes written than the
+    per-iteration casts; ``docs/autocast.md``).
+    """
+    p = compat.scan(eqn)
+    nc, ncarry = p.num_consts, p.num_carry
+    carry_avals = [v.aval for v in eqn.invars[nc:nc + ncarry]]
+    consts, init, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
+    narrow = np.dtype(interp.compute_dtype)
+    dtypes = [narrow if _wider(a.dtype, narrow) else None for a in carry_avals]
+    while any(d is not None for d in dtypes):
+        outs = _body_shapes(interp, p.body, consts, _carried(init, dtypes, carry_avals), xs)
+        wide = [i for i, d in enumerate(dtypes)
+                if d is not None and (isinstance(outs[i], _Wide)
+                                      or np.dtype(outs[i].dtype) != narrow)]
+        if not wide:
+            break
+        for i in wide:
+            dtypes[i] = None
+
+    def step(carry, x):
+        outs = interp.eval_closed(p.body, [*consts, *carry, *x])
+        return _carried(outs[:ncarry], dtypes, carry_avals), outs[ncarry:]
+
+    carry, ys = lax.scan(step, _carried(init, dtypes, carry_avals), list(xs), length=p.length,
+                         reverse=p.reverse, unroll=p.unroll, _split_transpose=p.split_transpose)
+    return [*carry, *ys]
+
+
+def _wider(dtype, narrow) -> bool:
+    return casting.is_float_dtype(dtype) and np.dtype(dtype).itemsize > narrow.itemsize
+
+
+def _carried(values, dtypes, avals) -> list:
+    """Loop carries: plain in the compute dtype where ``dtypes`` gives one, else in their
+    original dtypes and kept wide (``Autocast.loop_carry``)."""
+    out = []
+    for v, d, a in zip(values, dtypes, avals):
+        x = _unwrap(v)[0]
+        if d is not None:
+            out.append(_cast(x, d))
+        else:
+            x = _as_original(x, a)
+            out.append(_Wide(x) if casting.is_float_dtype(a.dtype) else x)
+    return out
+
+
+def _body_shapes(interp: Autocast, body, consts, carry, xs) -> list:
+    """The outputs (abstract values, ``_Wide`` marks included) of one iteration of ``body``
+    under autocast, on ``consts``, ``carry`` and the slices of ``xs``."""
+    def abstract(value, sliced=False):
+        def leaf(x):
+            aval = jax.typeof(x)
+            return compat.abstract_like(aval, aval.shape[1:] if sliced else None)
+        return jax.tree_util.tree_map(leaf, value)
+
+    def run(consts, carry, xs):
+        return interp.eval_closed(body, [*consts, *carry, *xs])
+
+    return jax.eval_shape(run, [abstract(c) for c in consts], [abstract(c) for c in carry],
+                          [abstract(x, sliced=True) for x in xs])
 
 
 # How each kind of AutocastRules runs an equation (a field's name; None: no rule).
