@@ -193,7 +193,9 @@ def test_twin_and_jaxmp_steps_compute_the_float32_loss(name):
                   for a, b in zip(jax.tree_util.tree_leaves(their),
                                   jax.tree_util.tree_leaves(grads)))
         den = sum(float(jnp.sum(jnp.square(b))) for b in jax.tree_util.tree_leaves(grads))
-        assert math.sqrt(num / den) < 0.1, name  # relative gradient error, bfloat16's size
+        # The relative error of the gradients: bfloat16's size (batch norm over the tiny
+        # ResNet's batch of two amplifies it to about 0.1); a wrong twin is off by O(1).
+        assert math.sqrt(num / den) < 0.2, name
     init, step = bench.make_step(spec.loss, "bf16_hand", hand_loss=spec.hand_loss)
     _, step_value = jax.jit(step)(init(params), *inputs)
     assert float(step_value) == pytest.approx(float(hand_value), rel=1e-6)
@@ -202,13 +204,15 @@ def test_twin_and_jaxmp_steps_compute_the_float32_loss(name):
 def test_resnet_twin_is_flax_bfloat16():
     """The ResNet's twin is the module with ``dtype=jnp.bfloat16`` on float32 parameters."""
     spec = gpu_models.spec("resnet50", quick=True)
-    params = spec.init(jax.random.key(0))
-    images, _ = _inputs(spec)
+    params = jax.eval_shape(spec.init, jax.random.key(0))
+    images, _ = spec.batch
     module = gpu_models._resnet(spec.config, jnp.bfloat16)
     with jax.numpy_dtype_promotion("standard"):
-        logits, _ = module.apply({"params": params}, images, mutable=["batch_stats"])
+        logits, _ = jax.eval_shape(functools.partial(module.apply, mutable=["batch_stats"]),
+                                   {"params": params}, images)
     assert logits.dtype == jnp.bfloat16
-    assert jax.tree_util.tree_leaves(params)[0].dtype == jnp.float32
+    assert {x.dtype for x in jax.tree_util.tree_leaves(params)} == {jnp.dtype(jnp.float32)}
+    assert spec.hand_loss.keywords["dtype"] == jnp.bfloat16
 
 
 # --- The deviceless H100 programs of the tiny configurations -------------------------------------
