@@ -171,6 +171,22 @@ def compile_step(model_name: str, variant: str, target: str, quick: bool = False
     return jaxmp.debug.gpu_program(jax.jit(step, donate_argnums=0), state, *batch, target=target)
 
 
+def cpu_memory(model_name: str, variant: str, quick: bool = False) -> dict[str, Any]:
+    """XLA's memory (``compiled.memory_analysis()``) and the optimized HLO instructions of one
+    step compiled for the CPU: the issue's measure of the scanned decoder."""
+    loss, init_params, batch, _ = model(model_name, quick)
+    init, step = make_step(loss, variant, hand_loss=hand_loss(model_name, quick))
+    state = jax.eval_shape(lambda: init(init_params(jax.random.key(0))))
+    compiled = jax.jit(step, donate_argnums=0).lower(state, *batch).compile()
+    memory = compiled.memory_analysis()
+    total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+             + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+    instructions = sum(1 for line in compiled.as_text().splitlines() if " = " in line)
+    return {"model": model_name, "variant": variant, "target": "cpu",
+            "temp_bytes": memory.temp_size_in_bytes, "total_bytes": total,
+            "hlo_instructions": instructions}
+
+
 def how_compiled(program: jaxmp.debug.GpuProgram) -> str:
     """The products in a few words: ``39 bf16 GEMMs``, ``20 fp8 cuDNN convs, 12 f32...``."""
     groups: dict[str, int] = {}
@@ -413,6 +429,28 @@ def write_tables(out: str, rows: list[dict]) -> None:
         json.dump(entries, f, indent=1)
 
 
+def run_cpu_memory(args) -> list[dict]:
+    """:func:`cpu_memory` of each model and variant, saved as ``cpu_memory.jsonl``, with each
+    variant's ratios to ``bf16_hand``."""
+    os.makedirs(args.out, exist_ok=True)
+    rows = [cpu_memory(m, v, args.quick) for m in args.models for v in args.variants]
+    hand = {r["model"]: r for r in rows if r["variant"] == "bf16_hand"}
+    lines = ["| model | variant | XLA memory MB | temp MB | HLO instructions | memory / hand | "
+             "instructions / hand |", "|" + "---|" * 7]
+    for r in rows:
+        h = hand.get(r["model"])
+        ratio = (f"{r['total_bytes'] / h['total_bytes']:.2f}x | "
+                 f"{r['hlo_instructions'] / h['hlo_instructions']:.2f}x") if h else "– | –"
+        lines.append(f"| {r['model']} | {r['variant']} | {r['total_bytes'] / 1e6:.1f} | "
+                     f"{r['temp_bytes'] / 1e6:.1f} | {r['hlo_instructions']} | {ratio} |")
+    print("\n".join(lines))
+    with open(os.path.join(args.out, "cpu_memory.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    with open(os.path.join(args.out, "cpu_memory.md"), "w") as f:
+        f.write(f"{json.dumps(machine())}\n\n" + "\n".join(lines) + "\n")
+    return rows
+
+
 def resplit(out: str) -> list[dict]:
     """Re-read a run's saved HLO (``out/hlo``) and rewrite its time split and tables with
     the current :func:`classify` (no compiling)."""
@@ -484,6 +522,9 @@ def parse_args(argv=None):
     parser.add_argument("--calibrate", metavar="HLO_DIR",
                         help="compare the estimate of GPU-compiled HLO files with --measured")
     parser.add_argument("--measured", help="JSON lines of measured step times (--calibrate)")
+    parser.add_argument("--cpu-memory", action="store_true",
+                        help="compile for this CPU and report XLA's memory and HLO instructions "
+                             "(the issue's measure of the scanned decoder)")
     parser.add_argument("--resplit", metavar="DIR",
                         help="re-classify the kernels of a run's saved HLO, without compiling")
     args = parser.parse_args(argv)
@@ -500,6 +541,8 @@ def main(argv=None):
         return calibrate(args.calibrate, args.measured)
     if args.resplit:
         return resplit(args.resplit)
+    if args.cpu_memory:
+        return run_cpu_memory(args)
     return run(args)
 
 

@@ -254,3 +254,11 @@ def test_batch_norm_kernels_are_found_in_the_resnet_step():
     split = bench.time_split(program)
     assert split["non_gemm_by_class"]["normalisation"]["kernels"] >= 5  # 5 batch norms
     assert any(p.kind.startswith("convolution") for p in program.products)
+
+
+@pytest.mark.slow
+def test_cpu_memory_of_the_scanned_decoder():
+    """The issue's measure: XLA's memory and HLO instructions of the step compiled here."""
+    row = bench.cpu_memory("scan_decoder", "bf16_hand", quick=True)
+    assert row["total_bytes"] >= row["temp_bytes"] > 0
+    assert row["hlo_instructions"] > 100
