@@ -196,9 +196,21 @@ def test_twin_and_jaxmp_steps_compute_the_float32_loss(name):
         # The relative error of the gradients: bfloat16's size (batch norm over the tiny
         # ResNet's batch of two amplifies it to about 0.1); a wrong twin is off by O(1).
         assert math.sqrt(num / den) < 0.2, name
-    init, step = bench.make_step(spec.loss, "bf16_hand", hand_loss=spec.hand_loss)
-    _, step_value = jax.jit(step)(init(params), *inputs)
-    assert float(step_value) == pytest.approx(float(hand_value), rel=1e-6)
+
+
+def test_the_hand_written_step_runs_the_models_own_twin():
+    """``bf16_hand`` differentiates ``hand_loss`` where a model has one, and otherwise the
+    loss on parameters cast to bfloat16."""
+    loss = lambda w, x: jnp.sum(w * x)  # noqa: E731
+    twin = lambda w, x: 2.0 * jnp.sum(w * x)  # noqa: E731
+    w, x = jnp.full((4,), 0.5, jnp.float32), jnp.ones((4,), jnp.float32)
+    for hand, expected in ((twin, 4.0), (None, 2.0)):
+        init, step = bench.make_step(loss, "bf16_hand", hand_loss=hand)
+        state, value = jax.jit(step)(init(w), x)
+        assert float(value) == expected
+        assert state["params"].dtype == jnp.float32
+    assert bench.hand_loss("resnet50", quick=True).keywords["dtype"] == jnp.bfloat16
+    assert bench.hand_loss("llama", quick=True) is None and bench.hand_loss("gpt") is None
 
 
 def test_resnet_twin_is_flax_bfloat16():
