@@ -263,7 +263,7 @@ def classify(ops: list[Op], op_name: str = "") -> str:
 
     ``transpose``: only moves data (transposes, copies, pads, slices); ``quantise``: converts
     to float8; ``amax``: a maximum of absolute values; ``normalisation``: an ``rsqrt``, or
-    the kernel's operation is in a ``*norm*`` module (Flax's ``BatchNorm``...);
+    the kernel's operation is in a ``*norm*`` or ``bn*`` module (Flax's ``BatchNorm``);
     ``optimizer``: has operations outside the forward and backward passes (not the
     finiteness check); ``cast``: only converts; ``other``: the rest (and the finiteness
     check).
@@ -279,7 +279,8 @@ def classify(ops: list[Op], op_name: str = "") -> str:
         return "amax"
     if "is-finite" in opcodes or any("is_finite" in n for n in names):
         return "other"
-    if "rsqrt" in opcodes or "norm" in op_name.rsplit("/", 1)[0].lower():
+    scopes = op_name.lower().split("/")[:-1]
+    if "rsqrt" in opcodes or any("norm" in m or m.startswith("bn") for m in scopes):
         return "normalisation"
     if any(not any(mark in n for mark in ("jvp(", "transpose(", "/cond/")) for n in names):
         return "optimizer"

@@ -113,6 +113,10 @@ def test_classify_names_what_each_kernel_does():
 def test_classify_reads_a_module_scope_and_a_copy():
     op = bench.Op("multiply", "f32[8]", "jit(step)/transpose(jvp(ResNet))/BatchNorm_0/mul")
     assert bench.classify([op], op.op_name) == "normalisation"
+    op = bench.Op("reduce", "f32[8]", "jit(step)/transpose(jvp(ResNet))/bn_init/reduce_sum")
+    assert bench.classify([op], op.op_name) == "normalisation"
+    op = bench.Op("reduce", "f32[8]", "jit(step)/transpose(jvp(ResNet))/Dense_0/reduce_sum")
+    assert bench.classify([op], op.op_name) == "other"
     assert bench.classify([bench.Op("copy", "bf16[8,4]", "")]) == "transpose"
 
 
