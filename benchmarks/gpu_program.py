@@ -515,7 +515,8 @@ def parse_args(argv=None):
     parser.add_argument("--models", type=_names(MODELS), default=list(MODELS))
     parser.add_argument("--variants", type=_names(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--quick", action="store_true",
-                        help="tiny models (GPT width 64, one block; ResNet 8x8, stages 16/32)")
+                        help="tiny models (GPT width 64, one block; ResNet 8x8, stages 16/32; "
+                             "each of gpu_models.py's tiny configuration)")
     parser.add_argument("--depth", type=int, default=None,
                         help="GPT blocks (default 2; the real-GPU step times used 8)")
     parser.add_argument("--no-hlo", dest="save_hlo", action="store_false",
