@@ -380,12 +380,16 @@ def _bind_widened(eqn, cast, in_avals) -> list:
 
 
 def _statistics(invals, kinds, floats) -> tuple[bool, bool]:
-    """``(stat_like, any_stat)``: whether the float operands are all statistics or scalars
-    (literals, eps, counts do not stop a result from being a statistic), and whether one is."""
+    """``(stat_like, any_stat)``: whether the float operands are all statistics or no larger
+    than one (literals, eps, counts, and a normalisation's per-feature scale or offset do not
+    stop a result from being a statistic: ``scale * rsqrt(var + eps)`` is the reciprocal of
+    one), and whether one is."""
     float_kinds = [kinds[i] for i in floats]
-    stat_like = all(k in (_STAT, _INV) or invals[i].size == 1
+    sizes = [invals[i].size for i, k in zip(floats, float_kinds) if k in (_STAT, _INV)]
+    largest = max(sizes, default=1)
+    stat_like = all(k in (_STAT, _INV) or invals[i].size <= largest
                     for i, k in zip(floats, float_kinds))
-    return stat_like, any(k in (_STAT, _INV) for k in float_kinds)
+    return stat_like, bool(sizes)
 
 
 # How each kind of AutocastRules runs an equation (a field's name; None: no rule).
