@@ -323,10 +323,17 @@ def _tied(values: list, cts) -> list:
             return x
         # Elementwise when shapes agree: fewer instructions for XLA to copy
         # into every fusion that reads ``x`` than a broadcast scalar.
-        c = by_shape.get(x.shape, floats[0].ravel()[0])
+        c = by_shape.get(x.shape, _first(floats[0]))
         return x + (c * 0).astype(x.dtype)
 
     return [tie(x) for x in values]
+
+
+def _first(c):
+    """The first element of ``c``, a slice of it (``c.ravel()[0]`` slices a reshape, which
+    XLA's GPU program reads as a slice too, but which ``gpu_program`` counts as a read of all
+    of ``c``)."""
+    return c[(0,) * c.ndim]
 
 
 def _tied_sums(sums: list, cts) -> list:
@@ -335,7 +342,7 @@ def _tied_sums(sums: list, cts) -> list:
     floats = [c for c in cts if casting.is_float_dtype(c.dtype) and c.size]
     if not floats:
         return sums
-    zero = floats[0].ravel()[0] * 0
+    zero = _first(floats[0]) * 0
     return [x + zero.astype(x.dtype) for x in sums]
 
 
