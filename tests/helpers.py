@@ -167,3 +167,78 @@ def graph_zeros_line() -> str:
     lines, first = inspect.getsourcelines(_graph_model)
     return f"helpers.py:{first + next(i for i, t in enumerate(lines) if 'jnp.zeros(' in t)} " \
            "(_graph_model)"
+
+
+def batch_norm_conv_net(framework: str = "flax", dtype: Any = jnp.float32,
+                        stages: tuple = (8, 16), batch: int = 8, size: int = 8):
+    """A tiny ResNet-style conv net with batch norm in train mode, written as its framework's
+    users write it: ``(loss, params, state, images, labels)``, ``loss(params, state, images,
+    labels) -> (loss, new_state)``.
+
+    ``"flax"``: linen as google/flax's ``examples/imagenet`` writes it (convolutions without
+    bias, ``nn.BatchNorm`` with ``mutable=["batch_stats"]``, residual blocks with a projection
+    where the shape changes, average pooling); ``dtype=jnp.bfloat16`` sets the modules'
+    ``dtype``: the hand-written bfloat16 twin (statistics in float32, normalised activations
+    in bfloat16). ``"haiku"``: the same layers with ``hk.BatchNorm`` under
+    ``hk.transform_with_state``.
+    """
+    import functools  # pylint: disable=import-outside-toplevel
+
+    images = jax.random.normal(jax.random.key(1), (batch, size, size, 3))
+    labels = jnp.arange(batch) % 10
+    if framework == "flax":
+        import flax.linen as nn  # pylint: disable=import-outside-toplevel
+
+        conv = functools.partial(nn.Conv, use_bias=False, dtype=dtype)
+        norm = functools.partial(nn.BatchNorm, use_running_average=False, momentum=0.9,
+                                 epsilon=1e-5, dtype=dtype)
+        dense = functools.partial(nn.Dense, dtype=dtype)
+    else:
+        import haiku as hk  # pylint: disable=import-outside-toplevel
+
+        def conv(features, kernel, strides=(1, 1)):
+            return hk.Conv2D(features, kernel, strides, with_bias=False)
+
+        def norm():
+            return lambda x: hk.BatchNorm(True, True, 0.9, eps=1e-5)(x, is_training=True)
+
+        dense = hk.Linear
+
+    def net(x):
+        x = jax.nn.relu(norm()(conv(stages[0], (3, 3))(x)))
+        for i, features in enumerate(stages):
+            strides = (2, 2) if i else (1, 1)
+            y = jax.nn.relu(norm()(conv(features, (3, 3), strides)(x)))
+            y = norm()(conv(features, (3, 3))(y))
+            if x.shape != y.shape:
+                x = norm()(conv(features, (1, 1), strides)(x))
+            x = jax.nn.relu(x + y)
+        return dense(10)(jnp.mean(x, axis=(1, 2)))
+
+    def cross_entropy(logits, labels):
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+        return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=-1))
+
+    if framework == "flax":
+        class Net(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                return net(x)
+
+        model = Net()
+        variables = model.init(jax.random.key(0), images)
+
+        def loss(params, state, images, labels):
+            logits, new = model.apply({"params": params, "batch_stats": state}, images,
+                                      mutable=["batch_stats"])
+            return cross_entropy(logits, labels), new["batch_stats"]
+
+        return loss, variables["params"], variables["batch_stats"], images, labels
+    model = hk.transform_with_state(net)
+    params, state = model.init(jax.random.key(0), images)
+
+    def haiku_loss(params, state, images, labels):
+        logits, new = model.apply(params, state, None, images)
+        return cross_entropy(logits, labels), new
+
+    return haiku_loss, params, state, images, labels

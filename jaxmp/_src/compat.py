@@ -770,6 +770,9 @@ RESHAPING = frozenset({"broadcast_in_dim", "reshape", "squeeze", "stop_gradient"
 #: Reductions: their results are statistics of a tensor.
 REDUCTIONS = frozenset({"reduce_sum", "reduce_prod"})
 
+#: The linear reductions: a recomputed float32 region keeps their values from the forward pass.
+LINEAR_REDUCTIONS = frozenset({"reduce_sum"})
+
 #: Elementwise operations that may continue a float32 region's narrowing tail.
 TAIL_OPS = frozenset({"mul", "add", "sub", "div", "neg", "max", "min"})
 

@@ -262,7 +262,8 @@ def autocast(
         early = analysis.narrow_early(closed, rules) if matmul_dtype is None else frozenset()
         interpreter = interpreter_lib.Autocast(compute_dtype, rules, keep, matmul_dtype,
                                                float8_rules, analysis.shifted_exps(closed, keep),
-                                               early, float8_recipe)
+                                               early, float8_recipe,
+                                               analysis.broadcast_sizes(closed))
         consts = list(closed.consts)
 
         def run(*flat):

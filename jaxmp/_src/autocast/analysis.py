@@ -13,7 +13,10 @@ Each walks the jaxpr of ``fn`` (sub-jaxprs included) once, from the rules
   gathers);
 * ``shifted_exps``: the exponentials of a softmax, ``exp(x - max(x))``, which
   lie in ``[0, 1]`` and can run in half precision when the probabilities go
-  on in half precision.
+  on in half precision;
+* ``broadcast_sizes``: the values that are a smaller value broadcast (a
+  normalisation's per-feature scale), with that value's size, so that the
+  interpreter tells a statistic scaled per feature from a normalised activation.
 
 Nothing here changes the program; ``autocast`` (``__init__.py``) runs these
 and hands their results to the interpreter.
@@ -27,6 +30,8 @@ from jaxmp._src.autocast import rules as rules_lib
 
 # Reductions: their results are statistics of a tensor (see ``interpreter.Autocast``).
 _REDUCTIONS = compat.REDUCTIONS
+# Sums: linear, accumulated in float32 (see ``narrow_safe``).
+_SUMS = compat.LINEAR_REDUCTIONS
 
 
 def narrow_safe(closed, rules: rules_lib.AutocastRules) -> frozenset:
@@ -35,8 +40,12 @@ def narrow_safe(closed, rules: rules_lib.AutocastRules) -> frozenset:
     A normalised value (see ``interpreter.Autocast``) is narrowed to the compute dtype
     only where nothing downstream needs its float32 digits: a value is in
     the returned set when it reaches, through ``follow`` and ``passthrough``
-    operations and casts, a ``full_precision`` operation (``log`` of a
-    probability, a sum), a loop or a branch, or an output of the function.
+    operations, casts and sums, a ``full_precision`` operation (``log`` of a
+    probability, a square), a loop or a branch, or an output of the function.
+    A sum (``reduce_sum``) passes the need on, as a ``follow`` operation does:
+    it accumulates in float32 whatever it reads, so the average pooling after a
+    network's last normalisation reads that in the compute dtype, as a
+    hand-written half-precision network does.
     """
     needed: set = set()
 
@@ -54,6 +63,12 @@ def narrow_safe(closed, rules: rules_lib.AutocastRules) -> frozenset:
             elif inner is not None and hasattr(getattr(inner, "jaxpr", inner), "eqns"):
                 inner = getattr(inner, "jaxpr", inner)
                 ins = walk(inner, outs_needed)
+            elif name in _SUMS and rules.kind(name) == "full_precision":
+                # Accumulated in float32 whatever its operand's dtype, as a product
+                # accumulates its half-precision operands: those need their float32
+                # digits only where the sum does (a probability summed on its way to a
+                # log, a sum the function returns), not where it is pooled and goes on.
+                ins = [any(outs_needed)] * len(eqn.invars)
             elif rules.kind(name) == "full_precision":
                 ins = [True] * len(eqn.invars)
             elif rules.kind(name) in ("low_precision", "bounded"):
@@ -196,3 +211,30 @@ def shifted_exps(closed, keep: frozenset) -> frozenset:
 
     walk(closed.jaxpr)
     return frozenset(found)
+
+
+def broadcast_sizes(closed) -> dict:
+    """The variables of ``closed`` (sub-jaxprs included) that broadcast a smaller value, with
+    its size.
+
+    A value made from a smaller one by ``_RESHAPING`` operations only (a per-feature scale
+    or a statistic broadcast to an activation's shape, ``jnp.broadcast_to``) holds no more
+    numbers than that one: the interpreter compares these sizes, not the broadcast shapes,
+    to tell a statistic scaled per feature (``scale * rsqrt(var + eps)``, a statistic
+    still) from a normalised activation (``(x - mean) * rsqrt(var + eps)``).
+    """
+    found: dict = {}
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            for inner, _ in jaxprs.sub_jaxprs(e):
+                walk(inner)
+            if (e.primitive.name in _RESHAPING and len(e.outvars) == 1 and e.invars
+                    and not compat.is_literal(e.invars[0])):
+                source = e.invars[0]
+                size = found.get(source, source.aval.size)
+                if size < e.outvars[0].aval.size:
+                    found[e.outvars[0]] = size
+
+    walk(closed.jaxpr)
+    return found

@@ -116,7 +116,7 @@ class Autocast(interpret.Interpreter):
                  keep: frozenset = frozenset(), matmul_dtype: np.dtype | None = None,
                  float8_rules: float8.Float8Rules = float8.Float8Rules(),
                  shifted: frozenset = frozenset(), narrow_early: frozenset = frozenset(),
-                 float8_recipe: float8.Recipe | None = None):
+                 float8_recipe: float8.Recipe | None = None, broadcast: dict | None = None):
         super().__init__({**interpret.HANDLERS, "scan": _scan})
         self.compute_dtype = compute_dtype
         self.rules = rules
@@ -127,6 +127,8 @@ class Autocast(interpret.Interpreter):
         self.float8_recipe = float8_recipe  # a row of float8.RECIPES (float8_scaling)
         # The collectives that move in compute_dtype (``analysis.narrow_early``).
         self.narrow_early = narrow_early
+        # Values that broadcast a smaller one, and its size (``analysis.broadcast_sizes``).
+        self.broadcast = broadcast or {}
         self._scopes: list[str] = []  # name stacks of the equations being evaluated
         self._casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
 
@@ -268,7 +270,7 @@ class Autocast(interpret.Interpreter):
             cast[i] = self.cast(cast[i], casting.wide_dtype(in_avals[i].dtype))
         outs = _bind_widened(eqn, cast, in_avals)
         float_kinds = [kinds[i] for i in floats]
-        stat_like, any_stat = _statistics(invals, kinds, floats)
+        stat_like, any_stat = self._statistics(eqn, invals, kinds, floats)
         if name in _REDUCTIONS or (stat_like and any_stat):
             inverse = name == "rsqrt" or (name == "integer_pow"
                                           and compat.integer_exponent(eqn) < 0)
@@ -317,7 +319,7 @@ class Autocast(interpret.Interpreter):
         if not kept:
             return outs, [_PLAIN] * len(eqn.outvars)
         kind = self._follow_kind(eqn.primitive.name, eqn, invals, kinds,
-                                 *_statistics(invals, kinds, floats))
+                                 *self._statistics(eqn, invals, kinds, floats))
         if kind == _PLAIN and len(outs) == 1 and target != self.compute_dtype:
             # A normalised value: narrowed once computed, unless needed wide downstream.
             return [self.cast(outs[0], self.compute_dtype)], [_PLAIN]
@@ -344,6 +346,29 @@ class Autocast(interpret.Interpreter):
         del kinds, floats
         return (interpret.bind(eqn, [_as_original(x, a) for x, a in zip(invals, in_avals)]),
                 [_PLAIN] * len(eqn.outvars))
+
+    def _statistics(self, eqn, invals, kinds, floats) -> tuple[bool, bool]:
+        """``(stat_like, any_stat)``: whether the float operands of ``eqn`` are all statistics
+        or like one, and whether one is a statistic.
+
+        Like a statistic, a result that stays one: a scalar (a literal, eps, a count), or a
+        value that holds no more numbers than the largest statistic among the operands, or
+        fewer than the result (a normalisation's per-feature scale or offset: ``scale *
+        rsqrt(var + eps)`` is the reciprocal of a statistic still, so the activation it
+        multiplies is normalised and narrowed). Sizes are those before a broadcast
+        (``analysis.broadcast_sizes``): an activation is never like a statistic broadcast to
+        its shape.
+        """
+        def size(i):
+            v = eqn.invars[i]
+            return invals[i].size if compat.is_literal(v) else self.broadcast.get(v, invals[i].size)
+
+        stats = [size(i) for i in floats if kinds[i] in (_STAT, _INV)]
+        if not stats:
+            return all(invals[i].size == 1 for i in floats), False
+        largest, out = max(stats), eqn.outvars[0].aval.size
+        return all(kinds[i] in (_STAT, _INV) or size(i) <= largest or invals[i].size < out
+                   for i in floats), True
 
     def _follow_kind(self, name, eqn, invals, kinds, stat_like, any_stat):
         """The kind of the result of a ``follow`` operation with a kept operand.
@@ -378,15 +403,6 @@ def _bind_widened(eqn, cast, in_avals) -> list:
         eqn, ("dimension_numbers", "indices_are_sorted", "unique_indices", "mode"))
     with interpret.at_source_of(eqn):
         return [_SCATTERS[name](*cast, **params)]
-
-
-def _statistics(invals, kinds, floats) -> tuple[bool, bool]:
-    """``(stat_like, any_stat)``: whether the float operands are all statistics or scalars
-    (literals, eps, counts do not stop a result from being a statistic), and whether one is."""
-    float_kinds = [kinds[i] for i in floats]
-    stat_like = all(k in (_STAT, _INV) or invals[i].size == 1
-                    for i, k in zip(floats, float_kinds))
-    return stat_like, any(k in (_STAT, _INV) for k in float_kinds)
 
 
 # --- Scans: carries in the compute dtype ----------------------------------------------------
