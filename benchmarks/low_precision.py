@@ -149,6 +149,15 @@ def is_per_param(x) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 1
 
 
+def fixed_bytes(state) -> int:
+    """Bytes of ``(params, opt_state, scaler)`` that do not grow with the model: the whole
+    loss scaler (its scalars and its record of alarm periods, some of which have a shape) and,
+    in the parameters and the optimizer state, counts, keys and scalar hyperparameters."""
+    params, opt_state, scaler = state
+    return tree_bytes(scaler) + int(sum(x.nbytes for x in jax.tree_util.tree_leaves(
+        (params, opt_state)) if not is_per_param(x)))
+
+
 def tree_bytes(tree) -> int:
     return int(sum(np.asarray(x).nbytes if not hasattr(x, "nbytes") else x.nbytes
                    for x in jax.tree_util.tree_leaves(tree)))
@@ -174,10 +183,7 @@ def run_variant(task: Task, variant: str) -> dict[str, Any]:
         "scaler_state_bytes": tree_bytes(state[2]),
     }
     row["state_bytes_per_param"] = row["state_bytes"] / n_params
-    # Counts, the key, scalar hyperparameters and the scaler: bytes that do not grow
-    # with the model (every floating leaf with a shape is per parameter).
-    row["fixed_bytes"] = int(sum(x.nbytes for x in jax.tree_util.tree_leaves(state)
-                                 if not is_per_param(x)))
+    row["fixed_bytes"] = fixed_bytes(state)
     row["bytes_per_param_excluding_fixed"] = (row["state_bytes"] - row["fixed_bytes"]) / n_params
 
     jitted = jax.jit(step, donate_argnums=0)

@@ -21,8 +21,7 @@ def test_persistent_state_is_12_6_and_8_bytes_per_parameter():
     for variant, per_param in expected.items():
         params, tx = bench.optimizer_for(variant, task)
         state = (params, tx.init(params), jaxmp.noop_scaler())
-        fixed = sum(x.nbytes for x in jax.tree_util.tree_leaves(state) 
-                    if not bench.is_per_param(x))
+        fixed = bench.fixed_bytes(state)
         assert bench.tree_bytes(state) - fixed == per_param * n, variant
         # Besides the scaler's fields (its scalars and its record), a count and a key at most.
         scaler = bench.tree_bytes(jaxmp.noop_scaler())
