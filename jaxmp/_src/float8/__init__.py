@@ -12,6 +12,9 @@ the bottom up (a module imports only those above it in this list):
   recipe shares (:func:`scale_exponent`, :func:`scale_for`);
 * ``target.py``: where a product runs and which GPUs run which GEMMs
   natively (:class:`Target`, :func:`describe`, :func:`block_scaled_gemms`);
+* ``blocks.py``: the block-scaled products the block-scaled recipes share
+  (their ``(B, F, K)`` layout, cuDNN's block-scaled dot and its CPU
+  emulation);
 * ``recipe.py``: the row type, :class:`Recipe`: what a recipe quantises, its
   scales, its state, where it runs natively, its fallback;
 * ``convolution.py``: the float8 convolution scaled per tensor, which every
