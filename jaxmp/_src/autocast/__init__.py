@@ -238,7 +238,8 @@ def autocast(
         raise TypeError(f"rules must be a jaxmp.AutocastRules, got {type(rules).__name__}.")
     matmul_dtype = float8.check_matmul_dtype(matmul_dtype, compute_dtype)
     float8_recipe = float8.check_scaling(float8_scaling, matmul_dtype)
-    float8_rules = float8.Float8Rules() if float8_rules is None else float8_rules
+    if float8_rules is None:  # the recipe's own (NVFP4 keeps its output head), or none
+        float8_rules = float8_recipe.rules or float8.Float8Rules()
     if not isinstance(float8_rules, float8.Float8Rules):
         raise TypeError(
             "float8_rules must be a jaxmp.experimental.Float8Rules, got "

@@ -31,6 +31,13 @@ def rows(x: jax.Array, batch, free, contract) -> jax.Array:
     return x.reshape(sizes)
 
 
+def from_rows(y: jax.Array, shape, dims, dtype) -> jax.Array:
+    """The inverse of :func:`rows`: ``y`` (``(B, F, K)``) back in the layout of an array of
+    ``shape`` whose dimensions ``dims`` lists in ``y``'s order, in ``dtype``."""
+    y = y.reshape([shape[d] for d in dims])
+    return lax.transpose(y, tuple(int(i) for i in np.argsort(dims))).astype(dtype)
+
+
 def to_blocks(x: jax.Array, block: int, axis: int) -> jax.Array:
     """``x`` with its ``axis`` split into ``(ceil(n / block), block)``, the last block padded
     with zeros (which change neither its amax nor a product)."""

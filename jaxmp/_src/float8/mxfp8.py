@@ -18,7 +18,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jaxmp._src import jaxprs
@@ -90,11 +89,6 @@ def _block_scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, quant
     (ac, bc), (ab, bb) = dimension_numbers
     a_free, b_free, ct_batch, ct_a, ct_b = jaxprs.dot_layout(a.ndim, b.ndim, dimension_numbers)
 
-    def undo(y, x, dims, dtype):
-        """``y`` (``(B, F, K)``) back in the layout of ``x`` whose dims it lists."""
-        y = y.reshape([x.shape[d] for d in dims])
-        return lax.transpose(y, tuple(int(i) for i in np.argsort(dims))).astype(dtype)
-
     @jax.custom_vjp
     def product(a, b):
         return forward(a, b)[0]
@@ -113,8 +107,8 @@ def _block_scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, quant
         da = matmul(*rows(ct, ct_batch, ct_a, ct_b), *b_t, dtype)
         # d/db: a (B, K, M) times ct (B, N, M), both in blocks along a's free dimensions.
         db = matmul(*a_t, *rows(ct, ct_batch, ct_b, ct_a), dtype)
-        return (undo(da, a, [*ab, *a_free, *ac], a.dtype),
-                undo(db, b, [*bb, *bc, *b_free], b.dtype))
+        return (blocks_lib.from_rows(da, a.shape, [*ab, *a_free, *ac], a.dtype),
+                blocks_lib.from_rows(db, b.shape, [*bb, *bc, *b_free], b.dtype))
 
     product.defvjp(forward, backward)
     return product(a, b)

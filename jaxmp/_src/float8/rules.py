@@ -23,6 +23,8 @@ from jaxmp._src import jaxprs
 
 #: The float8 dtypes accepted as ``matmul_dtype``.
 FLOAT8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+#: The 4-bit dtypes accepted as ``matmul_dtype`` (with a 4-bit recipe, ``"nvfp4"``).
+FLOAT4_DTYPES = (jnp.dtype(jnp.float4_e2m1fn),)
 #: The primitives :func:`jaxmp.autocast` runs in float8 by default.
 FLOAT8_PRIMITIVES = compat.FLOAT8_PRIMITIVES
 
@@ -33,7 +35,8 @@ def is_float8_dtype(dtype: Any) -> bool:
 
 
 def check_matmul_dtype(matmul_dtype: Any, compute_dtype: Any) -> np.dtype | None:
-    """``matmul_dtype`` as a float8 dtype, or ``None`` for products in ``compute_dtype``.
+    """``matmul_dtype`` as a float8 (or float4) dtype, or ``None`` for products in
+    ``compute_dtype``.
 
     Raises a ``ValueError`` naming the accepted dtypes for anything else.
     """
@@ -45,7 +48,7 @@ def check_matmul_dtype(matmul_dtype: Any, compute_dtype: Any) -> np.dtype | None
         raise ValueError(f"matmul_dtype must be a dtype, got {matmul_dtype!r}.") from e
     if dtype == np.dtype(compute_dtype):
         return None
-    if dtype in FLOAT8_DTYPES:
+    if dtype in FLOAT8_DTYPES + FLOAT4_DTYPES:
         return dtype
     hint = ""
     if casting.is_float_dtype(dtype) and dtype.itemsize > 1:
@@ -56,7 +59,8 @@ def check_matmul_dtype(matmul_dtype: Any, compute_dtype: Any) -> np.dtype | None
                 "the GPU kernels that take them differ.")
     raise ValueError(
         "matmul_dtype must be None (matrix products in compute_dtype) or a float8 dtype: "
-        f"jnp.float8_e4m3fn (recommended) or jnp.float8_e5m2; got {dtype.name}." + hint)
+        "jnp.float8_e4m3fn (recommended) or jnp.float8_e5m2 (or jnp.float4_e2m1fn with "
+        f"float8_scaling='nvfp4'); got {dtype.name}." + hint)
 
 
 class Product(NamedTuple):
