@@ -20,7 +20,9 @@ LLaMA-7B-shaped block, ``gpt_small``, ``resnet50`` in Flax linen, and
 * ``f16_jaxmp``: the same in float16 (dynamic loss scaling);
 * ``fp8_jaxmp``: ``bf16_jaxmp`` with ``matmul_dtype=jnp.float8_e4m3fn``
   (per-tensor scaling);
-* ``mxfp8_jaxmp``: the same with ``float8_scaling="mxfp8"``,
+* ``mxfp8_jaxmp``: the same with ``float8_scaling="mxfp8"``;
+* ``nvfp4_jaxmp``: ``bf16_jaxmp`` with ``matmul_dtype=jnp.float4_e2m1fn,
+  float8_scaling="nvfp4"`` (NVIDIA's 4-bit recipe),
 
 it compiles the step for each target (``h100``: sm_90, ``b200``: sm_100) with
 :func:`jaxmp.debug.gpu_program` (JAX's CUDA plugin, no GPU; XLA's default settings,
@@ -71,7 +73,8 @@ import optax
 import jaxmp
 from benchmarks import gpu_models, models
 
-VARIANTS = ("float32", "bf16_hand", "bf16_jaxmp", "f16_jaxmp", "fp8_jaxmp", "mxfp8_jaxmp")
+VARIANTS = ("float32", "bf16_hand", "bf16_jaxmp", "f16_jaxmp", "fp8_jaxmp", "mxfp8_jaxmp",
+            "nvfp4_jaxmp")
 MODELS = ("gpt", "resnet") + gpu_models.SPECS
 TARGETS = ("h100", "b200")
 
@@ -82,6 +85,8 @@ _JAXMP = {
     "fp8_jaxmp": {"compute_dtype": jnp.bfloat16, "matmul_dtype": jnp.float8_e4m3fn},
     "mxfp8_jaxmp": {"compute_dtype": jnp.bfloat16, "matmul_dtype": jnp.float8_e4m3fn,
                     "float8_scaling": "mxfp8"},
+    "nvfp4_jaxmp": {"compute_dtype": jnp.bfloat16, "matmul_dtype": jnp.float4_e2m1fn,
+                    "float8_scaling": "nvfp4"},
 }
 
 
@@ -324,7 +329,8 @@ def row(model_name: str, variant: str, target: str, program: jaxmp.debug.GpuProg
 # The ratios of estimated step time: (name, numerator, denominator).
 RATIOS = (("jaxmp bf16 / hand bf16", "bf16_jaxmp", "bf16_hand"),
           ("float8 / jaxmp bf16", "fp8_jaxmp", "bf16_jaxmp"),
-          ("MXFP8 / jaxmp bf16", "mxfp8_jaxmp", "bf16_jaxmp"))
+          ("MXFP8 / jaxmp bf16", "mxfp8_jaxmp", "bf16_jaxmp"),
+          ("NVFP4 / jaxmp bf16", "nvfp4_jaxmp", "bf16_jaxmp"))
 
 
 def ratios(rows: list[dict]) -> list[dict]:
