@@ -150,12 +150,13 @@ class Float8Rules:
 
     def __repr__(self) -> str:
         parts = []
+        names = lambda s: "{" + ", ".join(repr(n) for n in sorted(s)) + "}"  # in one order
         if self.primitives != FLOAT8_PRIMITIVES:
-            parts.append(f"primitives={set(sorted(self.primitives))!r}")
+            parts.append(f"primitives={names(self.primitives)}")
         if self.min_flops:
             parts.append(f"min_flops={self.min_flops}")
         if self.keep_scopes:
-            parts.append(f"keep_scopes={set(sorted(self.keep_scopes))!r}")
+            parts.append(f"keep_scopes={names(self.keep_scopes)}")
         if self.keep_if is not None:
             parts.append(f"keep_if={getattr(self.keep_if, '__name__', self.keep_if)!r}")
         return f"Float8Rules({', '.join(parts)})"
