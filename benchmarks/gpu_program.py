@@ -193,7 +193,8 @@ def cpu_memory(model_name: str, variant: str, quick: bool = False) -> dict[str, 
 
 
 def how_compiled(program: jaxmp.debug.GpuProgram) -> str:
-    """The products in a few words: ``39 bf16 GEMMs``, ``20 fp8 cuDNN convs, 12 f32...``."""
+    """The products in a few words: ``39 bf16 GEMMs``, ``20 fp8 cuDNN convs, 12 f32...``
+    (``fp4``: NVFP4's float4 operands)."""
     groups: dict[str, int] = {}
     for p in program.products:
         noun = "conv" if p.kind.startswith("convolution") else "GEMM"
@@ -205,7 +206,7 @@ def how_compiled(program: jaxmp.debug.GpuProgram) -> str:
                     for t in (p.lhs, p.rhs))
         types = lhs if lhs == rhs else f"{lhs} x {rhs}"
         if p.float8_native:
-            types = "fp8"
+            types = "fp4" if p.operands == ("f4e2m1fn", "f4e2m1fn") else "fp8"
         groups[f"{types} {noun}"] = groups.get(f"{types} {noun}", 0) + p.runs
     return ", ".join(f"{n} {k}" for k, n in sorted(groups.items(), key=lambda kv: -kv[1]))
 
