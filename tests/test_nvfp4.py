@@ -229,6 +229,20 @@ def test_flax_linen_model_keeps_its_head_and_says_so_once():
     assert program.count("platform_index") == 6
 
 
+def test_attention_products_stay_in_the_compute_dtype_by_default():
+    w, q, k = _normal((32, 32), 9) / 6, _normal((2, 16, 32), 10), _normal((2, 16, 32), 11)
+    loss = lambda w, q, k: jnp.sum(jnp.einsum("bqd,bkd->bqk", q @ w, k) ** 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        program = str(jax.make_jaxpr(jax.grad(_fn(loss, jnp.bfloat16)))(w, q, k))
+    said = [str(c.message) for c in caught
+            if c.category is jaxmp.experimental.Float8ShortfallWarning]
+    assert len(said) == 1 and "keeps 33%" in said[0] and "keep_if='batched'" in said[0], said
+    assert program.count("platform_index") == 3  # q @ w, forward and backward
+    every = _fn(loss, jnp.bfloat16, float8_rules=jaxmp.experimental.Float8Rules())
+    assert str(jax.make_jaxpr(jax.grad(every))(w, q, k)).count("platform_index") == 6
+
+
 # --- Where the products run ---------------------------------------------------------------------
 
 

@@ -316,8 +316,8 @@ def _warn_if_recipe_keeps(closed_jaxpr, rules: Any, float8_rules: Any, recipe: A
         (source.location_key(eqn, enclosing), "recipe_keeps", recipe.name),
         f"jaxmp: autocast with float8_scaling={recipe.name!r} keeps "
         f"{messages.percent(kept / total)} of the forward matrix-product FLOPs of this function "
-        f"in the compute dtype, by the recipe's own rules ({recipe.rules!r}), as the recipe "
-        f"keeps the output head; the first is a {eqn.primitive.name} at "
+        f"in the compute dtype, by the recipe's own rules ({recipe.rules!r}); the first is a "
+        f"{eqn.primitive.name} at "
         f"{source.user_location(eqn, enclosing)}.\n"
         "  Fix: none needed; to choose other products, pass "
         "float8_rules=jaxmp.experimental.Float8Rules(...) (jaxmp.experimental.Float8Rules() "

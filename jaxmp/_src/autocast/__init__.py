@@ -198,8 +198,8 @@ def autocast(
             ``float4_e2m1fn`` elements with a ``float8_e4m3fn`` scale per 16
             and a float32 scale per tensor, 16x16 weight tiles, a random
             Hadamard transform on weight gradients and stochastic rounding of
-            gradients, its output head (``head`` scopes) kept in
-            ``compute_dtype``; a :class:`jaxmp.experimental.NVFP4` turns its
+            gradients, its output head (``head`` scopes) and attention's
+            batched products kept in ``compute_dtype``; a :class:`jaxmp.experimental.NVFP4` turns its
             parts off. Native on the same GPUs as ``"mxfp8"``, with the same
             fallback. See ``docs/float8.md``.
 

@@ -18,8 +18,8 @@ NVIDIA's training recipe ("Pretraining Large Language Models with NVFP4",
   the input gradient (blocks along its output dimension) multiply the same
   quantized weight. The weight is the right operand of a product without
   batch dimensions (``x @ w``, ``x @ w.T``, as Flax, Haiku and plain JAX write
-  a dense layer); the left operand and batched products (attention) get 1x16
-  blocks;
+  a dense layer); the left operand (and a batched product's, when the rules
+  let one run in NVFP4) gets 1x16 blocks;
 * ``hadamard``: the two operands of each weight gradient are multiplied along
   their contracting dimension (tokens), in blocks of 16, by one random 16x16
   orthogonal matrix (a Hadamard matrix with random signs, from ``seed``): a
@@ -34,8 +34,9 @@ NVIDIA's training recipe ("Pretraining Large Language Models with NVFP4",
 * ``keep``: a :class:`jaxmp.experimental.Float8Rules` that keeps products in
   the compute dtype when the user passes no ``float8_rules`` (default: those
   under a ``head`` or ``lm_head`` scope, the output projection, which the
-  recipe keeps in high precision with the last layers). Autocast says once
-  which products it keeps.
+  recipe keeps in high precision with the last layers, and the batched
+  products of attention, which it does not quantize: only linear layers run
+  in NVFP4). Autocast says once which products it keeps.
 
 This module holds the options type, :class:`NVFP4`, and the default row,
 :data:`RECIPE`.
@@ -200,8 +201,9 @@ class NVFP4:
             hash: an ``int``, part of the program (the same seed, the same
             numbers).
         keep: the :class:`jaxmp.experimental.Float8Rules` used when autocast is
-            given no ``float8_rules`` (default: products under a ``head`` or
-            ``lm_head`` scope stay in the compute dtype).
+            given no ``float8_rules`` (``None``, the default: products under a
+            ``head`` or ``lm_head`` scope, and products with batch dimensions,
+            attention's, stay in the compute dtype).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -217,7 +219,7 @@ class NVFP4:
     hadamard: bool = True
     stochastic_rounding: bool = True
     seed: int = 0
-    keep: rules.Float8Rules = rules.Float8Rules(keep_scopes=frozenset({"head", "lm_head"}))
+    keep: rules.Float8Rules | None = None
 
     def __post_init__(self):
         for name in ("weight_blocks_2d", "hadamard", "stochastic_rounding"):
@@ -226,6 +228,8 @@ class NVFP4:
                                 f"{getattr(self, name)!r}.")
         if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool):
             raise TypeError(f"NVFP4.seed must be an int, got {self.seed!r}.")
+        if self.keep is None:
+            object.__setattr__(self, "keep", KEEP)
         if not isinstance(self.keep, rules.Float8Rules):
             raise TypeError("NVFP4.keep must be a jaxmp.experimental.Float8Rules, got "
                             f"{type(self.keep).__name__}.")
@@ -233,6 +237,15 @@ class NVFP4:
     def as_recipe(self) -> Recipe:
         """This recipe as a row of the recipe table."""
         return _row(self)
+
+
+def batched(product: rules.Product) -> bool:
+    """Whether ``product`` has batch dimensions (attention's): NVFP4's default keeps it."""
+    return product.batched
+
+
+#: NVFP4's own rules: the output head and attention's batched products in the compute dtype.
+KEEP = rules.Float8Rules(keep_scopes=frozenset({"head", "lm_head"}), keep_if=batched)
 
 
 def _scaled(qa, qb, g: jax.Array, dtype) -> jax.Array:
@@ -252,8 +265,11 @@ def _weight_gradient_operand(x, g, batch, free, contract, options: NVFP4, seed):
     (the tokens), after the random Hadamard transform when ``options.hadamard``."""
     if not options.hadamard:
         return _operand(x, g, batch, free, contract, seed), g
+    # The transform multiplies each block by an orthogonal matrix of entries +-1/4, so no
+    # value grows past 4 * amax(x): the per-tensor scale is 4 * x's (no second pass over x
+    # for the transformed amax; the block scales lose at most 2 of e4m3's 17 binades).
     t = _transformed(blocks.rows(x, batch, free, contract), options.seed)
-    g = global_scale(scaling.amax(t))
+    g = g * np.float32(4)
     return nv_quantize(t, g, seed=seed), g
 
 

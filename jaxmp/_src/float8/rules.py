@@ -73,6 +73,8 @@ class Product(NamedTuple):
         flops: ``2 *`` multiply-adds, as :func:`jaxmp.debug.matmul_flops` counts them.
         scope: the ``jax.named_scope`` names around the product, outermost
             first, joined by ``/`` (``""`` when there are none).
+        batched: whether it is a ``dot_general`` with batch dimensions (an
+            attention product's heads and examples; a dense layer has none).
     """
 
     primitive: str
@@ -80,6 +82,7 @@ class Product(NamedTuple):
     rhs_shape: tuple
     flops: int
     scope: str
+    batched: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +168,8 @@ class Float8Rules:
 def product_of(eqn, scope: str) -> Product:
     """The :class:`Product` of a ``dot_general`` or ``conv_general_dilated`` equation."""
     lhs, rhs = (tuple(v.aval.shape) for v in eqn.invars[:2])
-    return Product(eqn.primitive.name, lhs, rhs, jaxprs.eqn_flops(eqn), scope)
+    batched = eqn.primitive.name == "dot_general" and bool(compat.dimension_numbers(eqn)[1][0])
+    return Product(eqn.primitive.name, lhs, rhs, jaxprs.eqn_flops(eqn), scope, batched)
 
 
 def placement(eqn, scope: str, low_precision: Iterable[str], rules: Float8Rules) -> str | None:
