@@ -20,7 +20,9 @@ LLaMA-7B-shaped block, ``gpt_small``, ``resnet50`` in Flax linen, and
 * ``f16_jaxmp``: the same in float16 (dynamic loss scaling);
 * ``fp8_jaxmp``: ``bf16_jaxmp`` with ``matmul_dtype=jnp.float8_e4m3fn``
   (per-tensor scaling);
-* ``mxfp8_jaxmp``: the same with ``float8_scaling="mxfp8"``,
+* ``mxfp8_jaxmp``: the same with ``float8_scaling="mxfp8"``;
+* ``nvfp4_jaxmp``: ``bf16_jaxmp`` with ``matmul_dtype=jnp.float4_e2m1fn,
+  float8_scaling="nvfp4"`` (NVIDIA's 4-bit recipe),
 
 it compiles the step for each target (``h100``: sm_90, ``b200``: sm_100) with
 :func:`jaxmp.debug.gpu_program` (JAX's CUDA plugin, no GPU; XLA's default settings,
@@ -71,7 +73,8 @@ import optax
 import jaxmp
 from benchmarks import gpu_models, models
 
-VARIANTS = ("float32", "bf16_hand", "bf16_jaxmp", "f16_jaxmp", "fp8_jaxmp", "mxfp8_jaxmp")
+VARIANTS = ("float32", "bf16_hand", "bf16_jaxmp", "f16_jaxmp", "fp8_jaxmp", "mxfp8_jaxmp",
+            "nvfp4_jaxmp")
 MODELS = ("gpt", "resnet") + gpu_models.SPECS
 TARGETS = ("h100", "b200")
 
@@ -82,6 +85,8 @@ _JAXMP = {
     "fp8_jaxmp": {"compute_dtype": jnp.bfloat16, "matmul_dtype": jnp.float8_e4m3fn},
     "mxfp8_jaxmp": {"compute_dtype": jnp.bfloat16, "matmul_dtype": jnp.float8_e4m3fn,
                     "float8_scaling": "mxfp8"},
+    "nvfp4_jaxmp": {"compute_dtype": jnp.bfloat16, "matmul_dtype": jnp.float4_e2m1fn,
+                    "float8_scaling": "nvfp4"},
 }
 
 
@@ -188,7 +193,8 @@ def cpu_memory(model_name: str, variant: str, quick: bool = False) -> dict[str, 
 
 
 def how_compiled(program: jaxmp.debug.GpuProgram) -> str:
-    """The products in a few words: ``39 bf16 GEMMs``, ``20 fp8 cuDNN convs, 12 f32...``."""
+    """The products in a few words: ``39 bf16 GEMMs``, ``20 fp8 cuDNN convs, 12 f32...``
+    (``fp4``: NVFP4's float4 operands)."""
     groups: dict[str, int] = {}
     for p in program.products:
         noun = "conv" if p.kind.startswith("convolution") else "GEMM"
@@ -200,7 +206,7 @@ def how_compiled(program: jaxmp.debug.GpuProgram) -> str:
                     for t in (p.lhs, p.rhs))
         types = lhs if lhs == rhs else f"{lhs} x {rhs}"
         if p.float8_native:
-            types = "fp8"
+            types = "fp4" if p.operands == ("f4e2m1fn", "f4e2m1fn") else "fp8"
         groups[f"{types} {noun}"] = groups.get(f"{types} {noun}", 0) + p.runs
     return ", ".join(f"{n} {k}" for k, n in sorted(groups.items(), key=lambda kv: -kv[1]))
 
@@ -324,7 +330,8 @@ def row(model_name: str, variant: str, target: str, program: jaxmp.debug.GpuProg
 # The issue's ratios of estimated step time: (name, numerator, denominator).
 RATIOS = (("jaxmp bf16 / hand bf16", "bf16_jaxmp", "bf16_hand"),
           ("float8 / jaxmp bf16", "fp8_jaxmp", "bf16_jaxmp"),
-          ("MXFP8 / jaxmp bf16", "mxfp8_jaxmp", "bf16_jaxmp"))
+          ("MXFP8 / jaxmp bf16", "mxfp8_jaxmp", "bf16_jaxmp"),
+          ("NVFP4 / jaxmp bf16", "nvfp4_jaxmp", "bf16_jaxmp"))
 
 
 def ratios(rows: list[dict]) -> list[dict]:

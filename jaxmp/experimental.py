@@ -4,8 +4,10 @@ These work and are tested, but their interface may change between minor
 versions more readily than the rest of jaxmp's. Float8 products are asked for
 with ``matmul_dtype=jnp.float8_e4m3fn`` (of :func:`jaxmp.mp_value_and_grad`
 and :func:`jaxmp.autocast`); :class:`Float8Rules` chooses which products run in
-float8. :func:`low_precision_optimizer` keeps an optimizer's state and the
-parameters in bfloat16, with no float32 copy.
+float8; :class:`NVFP4` switches the parts of the 4-bit recipe
+(``float8_scaling="nvfp4"``, ``matmul_dtype=jnp.float4_e2m1fn``).
+:func:`low_precision_optimizer` keeps an optimizer's state and the parameters
+in bfloat16, with no float32 copy.
 
 Examples:
     >>> import jax.numpy as jnp
@@ -19,6 +21,7 @@ Examples:
 
 from jaxmp._src.shortfall import Float8ShortfallWarning
 from jaxmp._src.float8 import Float8Rules
+from jaxmp._src.float8 import NVFP4
 from jaxmp._src.low_precision import low_precision_optimizer
 from jaxmp._src.low_precision import LowPrecisionState
 
@@ -27,4 +30,5 @@ __all__ = (
     "Float8ShortfallWarning",
     "low_precision_optimizer",
     "LowPrecisionState",
+    "NVFP4",
 )

@@ -275,7 +275,8 @@ def test_targets_ship_inside_the_package():
         target = gp.get_target(name)
         assert "cuda_compute_capability" in target.config
         assert 'dnn_version: "9.10.0"' in target.config  # or XLA assumes no cuDNN
-        assert set(target.rates) == {"f8", "f16", "tf32", "f32", "f64"}
+        assert set(target.rates) - {"f4"} == {"f8", "f16", "tf32", "f32", "f64"}
+    assert "f4" in gp.get_target("b200").rates and "f4" not in gp.get_target("h100").rates
     assert "major: 9" in gp.get_target("h100").config
     assert "major: 10" in gp.get_target("b200").config
 
@@ -456,6 +457,25 @@ def test_mxfp8_on_h100_has_no_loop_or_widened_product():
     program = _mlp_step("mxfp8_jaxmp", "h100")
     bad = [p for p in program.products if not p.tensor_cores or p.widened_from_float8]
     assert not bad, bad[:3]
+
+
+@pytest.mark.gpu_program
+@needs_plugin
+def test_nvfp4_is_native_float4_on_b200():
+    program = _mlp_step("nvfp4_jaxmp", "b200")
+    assert program.float8_native_share >= 0.99
+    assert {p.call for p in program.products} == {"__cudnn$blockScaledDot"}
+    assert all(p.operands == ("f4e2m1fn", "f4e2m1fn") for p in program.products), program.products
+    assert not [p for p in program.products if not p.tensor_cores]
+
+
+@pytest.mark.gpu_program
+@needs_plugin
+def test_nvfp4_on_h100_has_no_loop_or_widened_product():
+    program = _mlp_step("nvfp4_jaxmp", "h100")
+    bad = [p for p in program.products if not p.tensor_cores or p.widened_from_float8]
+    assert not bad, bad[:3]
+    assert program.float8_native_share >= 0.99  # per-tensor float8 GEMMs
 
 
 # Part 5: jaxmp's default as lean as a hand-written bfloat16 step.

@@ -255,8 +255,9 @@ def accumulate_value_and_grad(
         reduce_dtype: as in :func:`jaxmp.mp_value_and_grad`.
         matmul_dtype: as in :func:`jaxmp.mp_value_and_grad`.
         float8_scaling: as in :func:`jaxmp.mp_value_and_grad`: ``"tensor"``
-            (default) or ``"mxfp8"`` (block-scaled float8 products, with
-            ``matmul_dtype=jnp.float8_e4m3fn``).
+            (default), ``"mxfp8"`` (block-scaled float8 products, with
+            ``matmul_dtype=jnp.float8_e4m3fn``) or ``"nvfp4"`` (4-bit products,
+            with ``matmul_dtype=jnp.float4_e2m1fn``).
 
     Returns:
         A function returning ``(loss, grads, scaler_state, finite)``, or

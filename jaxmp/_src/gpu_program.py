@@ -58,7 +58,8 @@ class GpuTarget(NamedTuple):
         name: the short name (``"h100"``, ``"b200"``).
         description: the card and its compute capability.
         config: the XLA GPU target config (text protobuf) shipped with jaxmp.
-        rates: dense peak FLOP/s by the unit a product runs on: ``"f8"`` (float8
+        rates: dense peak FLOP/s by the unit a product runs on: ``"f4"`` (float4
+            tensor cores, Blackwell's; a target without them runs none), ``"f8"`` (float8
             tensor cores), ``"f16"`` (bfloat16/float16 tensor cores), ``"tf32"``
             (float32 products at XLA's default precision), ``"f32"`` (CUDA cores:
             float32 at the highest precision, and every product a loop fusion
@@ -126,7 +127,8 @@ _TARGETS = {
     },
     "b200": {
         "description": "NVIDIA B200 (sm_100)",
-        "rates": {"f8": 4500e12, "f16": 2250e12, "tf32": 1100e12, "f32": 75e12, "f64": 37e12},
+        "rates": {"f4": 9000e12, "f8": 4500e12, "f16": 2250e12, "tf32": 1100e12, "f32": 75e12,
+                  "f64": 37e12},
         "source": "NVIDIA HGX B200 specifications, per GPU, dense (half the sparsity "
                   "figures): https://www.nvidia.com/en-us/data-center/hgx/ ; also "
                   "https://glennklockwood.com/garden/processors/B200",
@@ -152,11 +154,12 @@ _FLOAT_BITS = {"f64": 64, "f32": 32, "bf16": 16, "f16": 16, "f8e4m3fn": 8, "f8e5
                "f8e4m3": 8, "f8e3m4": 8, "f8e4m3fnuz": 8, "f8e5m2fnuz": 8, "f8e4m3b11fnuz": 8,
                "f4e2m1fn": 4}
 _NUMPY_NAMES = {"f64": "float64", "f32": "float32", "bf16": "bfloat16", "f16": "float16",
-                "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2"}
+                "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2", "f4e2m1fn": "float4_e2m1fn"}
 
 
 def _is_float8(dtype: str) -> bool:
-    return dtype.startswith("f8") and dtype != "f8e8m0fnu"
+    """Float8, or float4 (NVFP4's elements): the scaled formats, counted together."""
+    return dtype.startswith(("f8", "f4")) and dtype != "f8e8m0fnu"
 
 
 class Product(NamedTuple):
@@ -236,6 +239,8 @@ class Product(NamedTuple):
         if not self.tensor_cores:
             return "f64" if "f64" in (lhs, rhs) else "f32"
         bits = max(_FLOAT_BITS.get(lhs, 32), _FLOAT_BITS.get(rhs, 32))
+        if bits <= 4:
+            return "f4"
         if bits <= 8:
             return "f8"
         if bits <= 16:
@@ -271,7 +276,7 @@ class Product(NamedTuple):
 
 def _short(dtype: str) -> str:
     return (dtype.replace("f8e4m3fn", "e4m3").replace("f8e5m2", "e5m2")
-            .replace("f8e8m0fnu", "e8m0"))
+            .replace("f8e8m0fnu", "e8m0").replace("f4e2m1fn", "e2m1"))
 
 
 _GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
@@ -704,8 +709,8 @@ class GpuProgram:
                        launch: float = LAUNCH_SECONDS) -> float:
         """The estimated time of one launch of ``kernel``: ``max(compute, memory) + launch``."""
         rates = self.target.rates
-        compute = sum(self.products[i].flops / (rates[self.products[i].unit] * achieved_rate)
-                      for i in kernel.products)
+        compute = sum(self.products[i].flops / (rates.get(self.products[i].unit, rates["f8"])
+                                                * achieved_rate) for i in kernel.products)
         memory = (kernel.read + kernel.written) / (self.target.bandwidth * achieved_bandwidth)
         return max(compute, memory) + launch
 

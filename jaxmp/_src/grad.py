@@ -120,7 +120,9 @@ def mp_value_and_grad(
             (``jaxmp.autocast``'s ``float8_scaling``): ``"tensor"`` (default),
             one scale per tensor; ``"mxfp8"``, one power-of-two scale per block
             of 32 elements along each product's contracting dimension (OCP
-            MXFP8, ``matmul_dtype=jnp.float8_e4m3fn``).
+            MXFP8, ``matmul_dtype=jnp.float8_e4m3fn``); ``"nvfp4"`` (or a
+            :class:`jaxmp.experimental.NVFP4`), NVIDIA's 4-bit recipe
+            (``matmul_dtype=jnp.float4_e2m1fn``).
         autocast_rules: with ``autocast=True``, a :class:`jaxmp.AutocastRules`:
             which primitives autocast runs in which precision (``jaxmp.autocast``'s
             ``rules``), e.g. ``jaxmp.AutocastRules(full_precision=

@@ -32,6 +32,7 @@ _MLIR_DTYPES = {
     "f64": "float64",
     "f8E4M3FN": "float8_e4m3fn",
     "f8E5M2": "float8_e5m2",
+    "f4E2M1FN": "float4_e2m1fn",
 }
 
 
@@ -239,12 +240,13 @@ def product_key(lhs: str, rhs: str, out: str | None = None) -> str:
 
 
 def _is_float8_name(name: str) -> bool:
-    return name.startswith("float8_") or name.startswith("f8")
+    """Float8 or float4 (NVFP4's elements): the scaled formats, counted together."""
+    return name.startswith(("float8_", "f8", "float4_", "f4"))
 
 
 def is_float8_key(key: str) -> bool:
     """Whether a :func:`jaxmp.debug.matmul_flops` key names a float8 product (one or two
-    float8 formats)."""
+    float8 formats), or a float4 one (``float4_e2m1fn``, NVFP4), counted with them."""
     return all(_is_float8_name(part) for part in key.split("+"))
 
 

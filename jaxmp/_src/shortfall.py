@@ -257,8 +257,8 @@ def _warn_if_unblocked(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any,
             f"that are not a multiple of {recipe.block} with zeros: "
             f"{messages.percent(padding / total, 1)} more float8 matrix-product FLOPs for the "
             "same result (forward products, and the backward products of differentiated "
-            "operands: jaxmp.debug.matmul_flops of this step with float8_scaling='mxfp8' over that with "
-            f"'tensor'). The first is a {eqn.primitive.name} at "
+            f"operands: jaxmp.debug.matmul_flops of this step with float8_scaling={recipe.name!r}"
+            f" over that with 'tensor'). The first is a {eqn.primitive.name} at "
             f"{source.user_location(eqn, enclosing)}: its {phase} product contracts {k} "
             f"elements, padded to {padded}.\n"
             f"  Fix: make that dimension a multiple of {recipe.block} (a head size, a width, "
@@ -290,10 +290,39 @@ def _warn_if_fallback(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any) 
             f"the {runs.name!r} recipe there instead ({runs.summary}): float8 GEMMs this "
             f"hardware has. The first product is a {eqn.primitive.name} at "
             f"{source.user_location(eqn, enclosing)}.\n"
-            f"  Fix: none needed on this device; float8_scaling={runs.name!r} runs the same "
-            "program without this warning.",
+            f"  Fix: none needed on this device; float8_scaling={runs.name!r} (with "
+            f"matmul_dtype=jnp.{runs.matmul_dtypes[0].name}) runs the same program without this "
+            "warning.",
             Float8ShortfallWarning)
     return False
+
+
+def _warn_if_recipe_keeps(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any) -> bool:
+    """Says once which products a recipe's own rules (``recipe.rules``, used when autocast is
+    given no ``float8_rules``: NVFP4 keeps its output head) keep in the compute dtype."""
+    if recipe.rules is None or float8_rules is not recipe.rules:
+        return False
+    kept, total, first = 0, 0, None
+    for eqn, flops, enclosing in census.census(closed_jaxpr.jaxpr):
+        scope = "/".join(s for s in (compat.name_stack(e) for e in (*enclosing, eqn)) if s)
+        total += flops
+        if float8.placement(eqn, scope, rules.low_precision, float8_rules) == "kept":
+            kept += flops
+            first = first or (eqn, enclosing)
+    if first is None:
+        return False
+    eqn, enclosing = first
+    return messages.warn_once(
+        (source.location_key(eqn, enclosing), "recipe_keeps", recipe.name),
+        f"jaxmp: autocast with float8_scaling={recipe.name!r} keeps "
+        f"{messages.percent(kept / total)} of the forward matrix-product FLOPs of this function "
+        f"in the compute dtype, by the recipe's own rules ({recipe.rules!r}); the first is a "
+        f"{eqn.primitive.name} at "
+        f"{source.user_location(eqn, enclosing)}.\n"
+        "  Fix: none needed; to choose other products, pass "
+        "float8_rules=jaxmp.experimental.Float8Rules(...) (jaxmp.experimental.Float8Rules() "
+        "keeps none).",
+        Float8ShortfallWarning)
 
 
 def warn_if_float8_shortfall(closed_jaxpr, rules: Any, float8_rules: Any, compute_dtype: Any,
@@ -322,6 +351,8 @@ def warn_if_float8_shortfall(closed_jaxpr, rules: Any, float8_rules: Any, comput
     if differentiated is None:
         differentiated = [True] * len(closed_jaxpr.jaxpr.invars)
     diff = census.differentiated_products(closed_jaxpr.jaxpr, differentiated)
+    if recipe is not None:
+        _warn_if_recipe_keeps(closed_jaxpr, rules, float8_rules, recipe)
     fallback = recipe is not None and _warn_if_fallback(closed_jaxpr, rules, float8_rules,
                                                         recipe)
     unblocked = fallback or (recipe is not None and recipe.block > 0 and _warn_if_unblocked(

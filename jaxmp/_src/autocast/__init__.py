@@ -193,7 +193,15 @@ def autocast(
             dot); on the CPU an emulation computes the same numbers; on other
             accelerators (Hopper and older) the ``"tensor"`` recipe runs
             instead, chosen when the product is traced and said once by a
-            :class:`jaxmp.experimental.Float8ShortfallWarning`. See ``docs/float8.md``.
+            :class:`jaxmp.experimental.Float8ShortfallWarning`. ``"nvfp4"`` (with
+            ``matmul_dtype=jnp.float4_e2m1fn``): NVIDIA's 4-bit recipe,
+            ``float4_e2m1fn`` elements with a ``float8_e4m3fn`` scale per 16
+            and a float32 scale per tensor, 16x16 weight tiles, a random
+            Hadamard transform on weight gradients and stochastic rounding of
+            gradients, its output head (``head`` scopes) and attention's
+            batched products kept in ``compute_dtype``; a :class:`jaxmp.experimental.NVFP4` turns its
+            parts off. Native on the same GPUs as ``"mxfp8"``, with the same
+            fallback. See ``docs/float8.md``.
 
     The default sets are also attributes of this function
     (``jaxmp.autocast.FULL_PRECISION``...); to change a rule, pass a new set,
@@ -204,7 +212,8 @@ def autocast(
 
     Raises:
         ValueError: for an unknown ``float8_scaling``, or ``"mxfp8"`` without
-            ``matmul_dtype=jnp.float8_e4m3fn`` (the message says the fix).
+            ``matmul_dtype=jnp.float8_e4m3fn`` (``"nvfp4"`` without
+            ``jnp.float4_e2m1fn``; the message says the fix).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -238,7 +247,8 @@ def autocast(
         raise TypeError(f"rules must be a jaxmp.AutocastRules, got {type(rules).__name__}.")
     matmul_dtype = float8.check_matmul_dtype(matmul_dtype, compute_dtype)
     float8_recipe = float8.check_scaling(float8_scaling, matmul_dtype)
-    float8_rules = float8.Float8Rules() if float8_rules is None else float8_rules
+    if float8_rules is None:  # the recipe's own (NVFP4 keeps its output head), or none
+        float8_rules = float8_recipe.rules or float8.Float8Rules()
     if not isinstance(float8_rules, float8.Float8Rules):
         raise TypeError(
             "float8_rules must be a jaxmp.experimental.Float8Rules, got "

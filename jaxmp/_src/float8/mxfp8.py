@@ -5,7 +5,7 @@ elements along that product's contracting dimension, each block with its own
 power-of-two (E8M0) scale, forward and backward, all in ``float8_e4m3fn``
 (:func:`mx_quantize`); it runs through ``jax.nn.scaled_matmul`` (cuDNN's
 block-scaled dot) on GPUs with block-scaled GEMMs and an emulation with the
-same numbers on the CPU (:func:`_mx_matmul`); on other accelerators its
+same numbers on the CPU (:func:`_mx_matmul`, from ``blocks.py``); on other accelerators its
 ``fallback``, the per-tensor recipe, runs instead
 (:func:`jaxmp._src.float8.recipe_for`). Its convolutions are scaled per
 tensor (``convolution.py``). This module holds its row, :data:`RECIPE`.
@@ -14,16 +14,14 @@ tensor (``convolution.py``). This module holds its row, :data:`RECIPE`.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jaxmp._src import jaxprs
-from jaxmp._src import sharding
+from jaxmp._src.float8 import blocks as blocks_lib
 from jaxmp._src.float8 import convolution
 from jaxmp._src.float8 import scaling
 from jaxmp._src.float8 import target
@@ -36,15 +34,6 @@ MX_BLOCK = 32
 MX_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 #: The dtype of MX scales: a biased power-of-two exponent in one byte.
 E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
-
-
-def _rows(x: jax.Array, batch, free, contract) -> jax.Array:
-    """``x`` as ``(B, F, K)``: its ``batch``, ``free`` and ``contract`` dimensions, in those
-    orders, each group flattened: the layout of ``jax.nn.scaled_matmul``'s operands."""
-    x = lax.transpose(x, tuple(int(d) for d in (*batch, *free, *contract)))
-    sizes = [math.prod(x.shape[i] for i in range(lo, hi)) for lo, hi in (
-        (0, len(batch)), (len(batch), len(batch) + len(free)), (len(batch) + len(free), x.ndim))]
-    return x.reshape(sizes)
 
 
 def mx_quantize(x: jax.Array, dtype: Any = MX_DTYPE, block: int = MX_BLOCK, axis: int = -1
@@ -62,106 +51,20 @@ def mx_quantize(x: jax.Array, dtype: Any = MX_DTYPE, block: int = MX_BLOCK, axis
     loss scaler sees it.
     """
     axis = axis % x.ndim
-    k = x.shape[axis]
-    padded = -(-k // block) * block
-    if padded != k:
-        x = jnp.pad(x, [(0, padded - k) if d == axis else (0, 0) for d in range(x.ndim)])
-    blocks = x.reshape(*x.shape[:axis], padded // block, block, *x.shape[axis + 1:])
+    blocks = blocks_lib.to_blocks(x, block, axis)
     # amax / max(dtype) rounded up to a power of two (exact, from the float32 bits). The amax
     # is taken in x's own dtype (a maximum does not round): no float32 copy of x is made.
     e = scaling.scale_exponent(jnp.max(jnp.abs(blocks), axis=axis + 1), dtype)
     scaled = blocks.astype(jnp.float32) * jnp.expand_dims(scaling.pow2(-e), axis + 1)
-    elements = scaled.astype(dtype).reshape(x.shape)
-    if padded != k:
-        elements = lax.slice_in_dim(elements, 0, k, axis=axis)
+    elements = blocks_lib.from_blocks(scaled.astype(dtype), x.shape[axis], axis)
     scales = lax.bitcast_convert_type((e + 127).astype(jnp.uint8), E8M0)
     return elements, scales
 
 
-def _quantized_rows(quantize, x: jax.Array, batch, free, contract, block: int):
-    """``quantize(_rows(x, batch, free, contract))``: ``x`` as ``(B, F, K)`` in blocks along
-    ``K``, quantized in ``x``'s own layout when the blocks lie within one of its dimensions.
-
-    The blocks of 32 along the flattened ``contract`` dimensions lie within the
-    last of them when its size is a multiple of 32: then ``x`` is quantized
-    along that dimension where it is, and only its float8 elements and scales
-    are laid out as ``(B, F, K)``. Transposing ``x`` first (for a weight
-    gradient's blocks along the batch and tokens) made XLA write a transposed
-    copy of ``|x|`` to take the blocks' amaxes. Same blocks, same numbers.
-    """
-    last = contract[-1]
-    if x.shape[last] % block:
-        return quantize(_rows(x, batch, free, contract))
-    elements, scales = quantize(x, axis=last)
-    return _rows(elements, batch, free, contract), _rows(scales, batch, free, contract)
-
-
-def _pad_blocks(q: jax.Array, scales: jax.Array, block: int) -> jax.Array:
-    """The elements ``q`` padded with zeros to the whole blocks of ``scales``."""
-    missing = scales.shape[-1] * block - q.shape[-1]
-    return jnp.pad(q, [(0, 0)] * (q.ndim - 1) + [(0, missing)]) if missing else q
-
-
-def _mx_matmul_emulated(qa, sa, qb, sb, dtype=jnp.float32):
-    """What cuDNN's block-scaled dot computes, with XLA's own products.
-
-    One float8 ``dot_general`` per block of 32 (float32 accumulation), each
-    block's partial products multiplied by its two scales (powers of two:
-    exact) and summed in float32, then rounded once to ``dtype``.
-    """
-    qa, qb = _pad_blocks(qa, sa, MX_BLOCK), _pad_blocks(qb, sb, MX_BLOCK)
-    (b, m, k), n = qa.shape, qb.shape[1]
-    blocks = k // MX_BLOCK
-    partial = lax.dot_general(qa.reshape(b, m, blocks, MX_BLOCK),
-                              qb.reshape(b, n, blocks, MX_BLOCK),
-                              (((3,), (3,)), ((0, 2), (0, 2))),
-                              preferred_element_type=jnp.float32)  # (b, blocks, m, n)
-    sa = jnp.transpose(sa.astype(jnp.float32), (0, 2, 1))[..., None]
-    sb = jnp.transpose(sb.astype(jnp.float32), (0, 2, 1))[:, :, None, :]
-    return jnp.sum(partial * sa * sb, axis=1).astype(dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _mx_matmul_cudnn(dtype):
-    """``jax.nn.scaled_matmul`` into ``dtype``: cuDNN's block-scaled dot
-    (``__op$block_scaled_dot``), which writes ``dtype`` itself."""
-
-    @jax.custom_batching.custom_vmap
-    def matmul(qa, sa, qb, sb):
-        qa, qb = _pad_blocks(qa, sa, MX_BLOCK), _pad_blocks(qb, sb, MX_BLOCK)
-        return jax.nn.scaled_matmul(qa, qb, sa, sb, preferred_element_type=dtype)
-
-    @matmul.def_vmap
-    def matmul_vmap(axis_size, in_batched, qa, sa, qb, sb):
-        # JAX's batching rule wants all four operands mapped alike; a weight shared
-        # by every example (unmapped) is broadcast, and the mapped axis joins B.
-        args = [x if mapped else jnp.broadcast_to(x, (axis_size, *x.shape))
-                for x, mapped in zip((qa, sa, qb, sb), in_batched)]
-        folded = [x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in args]
-        out = matmul(*folded)
-        return out.reshape(axis_size, -1, *out.shape[1:]), True
-
-    return matmul
-
-
-def _mx_matmul_cuda(qa, sa, qb, sb, dtype):
-    """:func:`_mx_matmul_cudnn`, its result typed as varying over the ``shard_map`` axes its
-    operands vary over (JAX's custom call does not say, and both branches must agree)."""
-    axes = set().union(*(sharding.varying_axes(x) for x in (qa, sa, qb, sb)))
-    out = _mx_matmul_cudnn(np.dtype(dtype))(qa, sa, qb, sb)
-    return sharding.as_varying(out, tuple(sorted(axes, key=str)))
-
-
 def _mx_matmul(qa, sa, qb, sb, dtype=jnp.float32):
-    """The product ``(B, M, N)`` in ``dtype`` of MX operands ``(B, M, K)`` and ``(B, N, K)``
-    (float32 accumulation, one rounding to ``dtype``).
-
-    The choice is made when the program is lowered (``lax.platform_dependent``):
-    cuDNN's block-scaled dot on CUDA, :func:`_mx_matmul_emulated` elsewhere.
-    """
-    return lax.platform_dependent(
-        qa, sa, qb, sb, cuda=functools.partial(_mx_matmul_cuda, dtype=dtype),
-        default=functools.partial(_mx_matmul_emulated, dtype=dtype))
+    """The product ``(B, M, N)`` in ``dtype`` of MX operands ``(B, M, K)`` and ``(B, N, K)``:
+    :func:`blocks.matmul` in blocks of 32 (cuDNN on CUDA, an emulation elsewhere)."""
+    return blocks_lib.matmul(qa, sa, qb, sb, dtype, MX_BLOCK)
 
 
 def _block_scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, quantize, matmul,
@@ -186,17 +89,12 @@ def _block_scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, quant
     (ac, bc), (ab, bb) = dimension_numbers
     a_free, b_free, ct_batch, ct_a, ct_b = jaxprs.dot_layout(a.ndim, b.ndim, dimension_numbers)
 
-    def undo(y, x, dims, dtype):
-        """``y`` (``(B, F, K)``) back in the layout of ``x`` whose dims it lists."""
-        y = y.reshape([x.shape[d] for d in dims])
-        return lax.transpose(y, tuple(int(i) for i in np.argsort(dims))).astype(dtype)
-
     @jax.custom_vjp
     def product(a, b):
         return forward(a, b)[0]
 
     def forward(a, b):
-        rows = lambda x, *dims: _quantized_rows(quantize, x, *dims, block)
+        rows = lambda x, *dims: blocks_lib.quantized_rows(quantize, x, *dims, block)
         out = matmul(*rows(a, ab, a_free, ac), *rows(b, bb, b_free, bc), dtype)
         shape = [a.shape[d] for d in (*ab, *a_free)] + [b.shape[d] for d in b_free]
         residuals = (rows(a, ab, ac, a_free), rows(b, bb, bc, b_free))
@@ -205,12 +103,12 @@ def _block_scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, quant
     def backward(residuals, ct):
         a_t, b_t = residuals
         # d/da: ct (B, M, N) times b (B, K, N), both in blocks along b's free dimensions.
-        rows = lambda x, *dims: _quantized_rows(quantize, x, *dims, block)
+        rows = lambda x, *dims: blocks_lib.quantized_rows(quantize, x, *dims, block)
         da = matmul(*rows(ct, ct_batch, ct_a, ct_b), *b_t, dtype)
         # d/db: a (B, K, M) times ct (B, N, M), both in blocks along a's free dimensions.
         db = matmul(*a_t, *rows(ct, ct_batch, ct_b, ct_a), dtype)
-        return (undo(da, a, [*ab, *a_free, *ac], a.dtype),
-                undo(db, b, [*bb, *bc, *b_free], b.dtype))
+        return (blocks_lib.from_rows(da, a.shape, [*ab, *a_free, *ac], a.dtype),
+                blocks_lib.from_rows(db, b.shape, [*bb, *bc, *b_free], b.dtype))
 
     product.defvjp(forward, backward)
     return product(a, b)

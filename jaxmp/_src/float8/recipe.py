@@ -37,6 +37,9 @@ class Recipe(NamedTuple):
             recipe so far, whose scales come from the tensors themselves, in
             the step that uses them (current scaling). A delayed-scaling
             recipe's amax history is the first state.
+        rules: the :class:`rules.Float8Rules` autocast uses when it is given no
+            ``float8_rules`` (``None``: ``Float8Rules()``, every product);
+            autocast says once which products they keep.
     """
 
     name: str
@@ -49,3 +52,4 @@ class Recipe(NamedTuple):
     fallback: str | None = None
     native: Callable | None = None
     state: Any = None
+    rules: Any = None

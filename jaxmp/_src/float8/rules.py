@@ -23,6 +23,8 @@ from jaxmp._src import jaxprs
 
 #: The float8 dtypes accepted as ``matmul_dtype``.
 FLOAT8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+#: The 4-bit dtypes accepted as ``matmul_dtype`` (with a 4-bit recipe, ``"nvfp4"``).
+FLOAT4_DTYPES = (jnp.dtype(jnp.float4_e2m1fn),)
 #: The primitives :func:`jaxmp.autocast` runs in float8 by default.
 FLOAT8_PRIMITIVES = compat.FLOAT8_PRIMITIVES
 
@@ -33,7 +35,8 @@ def is_float8_dtype(dtype: Any) -> bool:
 
 
 def check_matmul_dtype(matmul_dtype: Any, compute_dtype: Any) -> np.dtype | None:
-    """``matmul_dtype`` as a float8 dtype, or ``None`` for products in ``compute_dtype``.
+    """``matmul_dtype`` as a float8 (or float4) dtype, or ``None`` for products in
+    ``compute_dtype``.
 
     Raises a ``ValueError`` naming the accepted dtypes for anything else.
     """
@@ -45,7 +48,7 @@ def check_matmul_dtype(matmul_dtype: Any, compute_dtype: Any) -> np.dtype | None
         raise ValueError(f"matmul_dtype must be a dtype, got {matmul_dtype!r}.") from e
     if dtype == np.dtype(compute_dtype):
         return None
-    if dtype in FLOAT8_DTYPES:
+    if dtype in FLOAT8_DTYPES + FLOAT4_DTYPES:
         return dtype
     hint = ""
     if casting.is_float_dtype(dtype) and dtype.itemsize > 1:
@@ -56,7 +59,8 @@ def check_matmul_dtype(matmul_dtype: Any, compute_dtype: Any) -> np.dtype | None
                 "the GPU kernels that take them differ.")
     raise ValueError(
         "matmul_dtype must be None (matrix products in compute_dtype) or a float8 dtype: "
-        f"jnp.float8_e4m3fn (recommended) or jnp.float8_e5m2; got {dtype.name}." + hint)
+        "jnp.float8_e4m3fn (recommended) or jnp.float8_e5m2 (or jnp.float4_e2m1fn with "
+        f"float8_scaling='nvfp4'); got {dtype.name}." + hint)
 
 
 class Product(NamedTuple):
@@ -69,6 +73,8 @@ class Product(NamedTuple):
         flops: ``2 *`` multiply-adds, as :func:`jaxmp.debug.matmul_flops` counts them.
         scope: the ``jax.named_scope`` names around the product, outermost
             first, joined by ``/`` (``""`` when there are none).
+        batched: whether it is a ``dot_general`` with batch dimensions (an
+            attention product's heads and examples; a dense layer has none).
     """
 
     primitive: str
@@ -76,6 +82,7 @@ class Product(NamedTuple):
     rhs_shape: tuple
     flops: int
     scope: str
+    batched: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,12 +153,13 @@ class Float8Rules:
 
     def __repr__(self) -> str:
         parts = []
+        names = lambda s: "{" + ", ".join(repr(n) for n in sorted(s)) + "}"  # in one order
         if self.primitives != FLOAT8_PRIMITIVES:
-            parts.append(f"primitives={set(sorted(self.primitives))!r}")
+            parts.append(f"primitives={names(self.primitives)}")
         if self.min_flops:
             parts.append(f"min_flops={self.min_flops}")
         if self.keep_scopes:
-            parts.append(f"keep_scopes={set(sorted(self.keep_scopes))!r}")
+            parts.append(f"keep_scopes={names(self.keep_scopes)}")
         if self.keep_if is not None:
             parts.append(f"keep_if={getattr(self.keep_if, '__name__', self.keep_if)!r}")
         return f"Float8Rules({', '.join(parts)})"
@@ -160,7 +168,8 @@ class Float8Rules:
 def product_of(eqn, scope: str) -> Product:
     """The :class:`Product` of a ``dot_general`` or ``conv_general_dilated`` equation."""
     lhs, rhs = (tuple(v.aval.shape) for v in eqn.invars[:2])
-    return Product(eqn.primitive.name, lhs, rhs, jaxprs.eqn_flops(eqn), scope)
+    batched = eqn.primitive.name == "dot_general" and bool(compat.dimension_numbers(eqn)[1][0])
+    return Product(eqn.primitive.name, lhs, rhs, jaxprs.eqn_flops(eqn), scope, batched)
 
 
 def placement(eqn, scope: str, low_precision: Iterable[str], rules: Float8Rules) -> str | None:

@@ -1,6 +1,6 @@
 """The table of float8 recipes, :data:`RECIPES`, and the products autocast runs from it.
 
-One row per recipe module (``tensor.py``, ``mxfp8.py``): a new recipe is its
+One row per recipe module (``tensor.py``, ``mxfp8.py``, ``nvfp4.py``): a new recipe is its
 module and one line here. :func:`check_scaling` checks ``float8_scaling=``
 against the table, :func:`recipe_on` and :func:`recipe_for` choose the row
 that runs on a target (a recipe's ``fallback`` where its GEMMs are not
@@ -18,6 +18,7 @@ import numpy as np
 from jaxmp._src import compat
 from jaxmp._src import interpret
 from jaxmp._src.float8 import mxfp8
+from jaxmp._src.float8 import nvfp4
 from jaxmp._src.float8 import tensor
 from jaxmp._src.float8.recipe import Recipe
 from jaxmp._src.float8.target import Target
@@ -25,7 +26,7 @@ from jaxmp._src.float8.target import compile_target
 
 
 #: The float8 scaling recipes, by ``float8_scaling`` name: one row each, from its module.
-RECIPES = {row.name: row for row in (tensor.RECIPE, mxfp8.RECIPE)}
+RECIPES = {row.name: row for row in (tensor.RECIPE, mxfp8.RECIPE, nvfp4.RECIPE)}
 #: The recipe used when none is named.
 DEFAULT_RECIPE = "tensor"
 
@@ -38,13 +39,17 @@ def check_scaling(float8_scaling: Any, matmul_dtype: np.dtype | None) -> Recipe:
     and the fix for an unknown name, a recipe other than ``"tensor"`` without
     a float8 ``matmul_dtype``, or a ``matmul_dtype`` the recipe does not take.
     """
-    recipe = RECIPES.get(float8_scaling) if isinstance(float8_scaling, str) else None
+    if callable(getattr(float8_scaling, "as_recipe", None)):  # a recipe's options (NVFP4)
+        recipe = float8_scaling.as_recipe()
+    else:
+        recipe = RECIPES.get(float8_scaling) if isinstance(float8_scaling, str) else None
     if recipe is None:
         hint = ""
         if isinstance(float8_scaling, str) and float8_scaling.lower() in RECIPES:
             hint = f" Names are lower case: float8_scaling={float8_scaling.lower()!r}."
         elif isinstance(float8_scaling, str) and "fp4" in float8_scaling.lower():
-            hint = " 4-bit formats (mxfp4, nvfp4) are not implemented."
+            hint = (" Of the 4-bit formats, NVFP4 is implemented: float8_scaling='nvfp4' "
+                    "with matmul_dtype=jnp.float4_e2m1fn; MXFP4 is not.")
         rows = "; ".join(f"{name!r}{' (the default)' if name == DEFAULT_RECIPE else ''}: "
                          f"{row.summary}" for name, row in RECIPES.items())
         raise ValueError(
@@ -61,11 +66,13 @@ def check_scaling(float8_scaling: Any, matmul_dtype: np.dtype | None) -> Recipe:
         return recipe
     if np.dtype(matmul_dtype) not in recipe.matmul_dtypes:
         takes = " or ".join(f"jnp.{d.name}" for d in recipe.matmul_dtypes)
+        name = np.dtype(matmul_dtype).name
+        others = [r.name for r in RECIPES.values() if np.dtype(matmul_dtype) in r.matmul_dtypes]
         raise ValueError(
             f"float8_scaling={recipe.name!r} takes matmul_dtype={takes} ({recipe.summary}); "
-            f"got {np.dtype(matmul_dtype).name}.\n"
-            f"  Fix: matmul_dtype={takes}, or float8_scaling='tensor' for "
-            f"{np.dtype(matmul_dtype).name} products with one scale per tensor.")
+            f"got {name}.\n"
+            f"  Fix: matmul_dtype={takes}, or float8_scaling={others[0]!r} for {name} products"
+            f" ({RECIPES[others[0]].summary}).")
     return recipe
 
 
@@ -104,6 +111,8 @@ def scaled_product(eqn, invals, compute_dtype: np.dtype, matmul_dtype: np.dtype,
     """
     recipe = RECIPES[DEFAULT_RECIPE] if recipe is None else recipe
     recipe, _ = recipe_for(recipe, [v.aval for v in eqn.invars])
+    if matmul_dtype not in recipe.matmul_dtypes:  # a fallback's own dtype (float8 for float4)
+        matmul_dtype = recipe.matmul_dtypes[0]
     a, b = invals
     with interpret.at_source_of(eqn):
         if eqn.primitive.name == "dot_general":
