@@ -36,6 +36,8 @@ MX_BLOCK = 32
 MX_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 #: The dtype of MX scales: a biased power-of-two exponent in one byte.
 E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
+# The exponents of MX scales (:func:`scaling.scale_exponent` clamps to them): E8M0 bytes 1..253.
+_EXPONENTS = (-126, 126)
 
 
 def _rows(x: jax.Array, batch, free, contract) -> jax.Array:
@@ -45,6 +47,28 @@ def _rows(x: jax.Array, batch, free, contract) -> jax.Array:
     sizes = [math.prod(x.shape[i] for i in range(lo, hi)) for lo, hi in (
         (0, len(batch)), (len(batch), len(batch) + len(free)), (len(batch) + len(free), x.ndim))]
     return x.reshape(sizes)
+
+
+def _block_exponents(blocks: jax.Array, axis: int, dtype: Any) -> jax.Array:
+    """The biased E8M0 exponent (uint8) of each block of ``blocks`` (the block along ``axis``):
+    :func:`scaling.scale_exponent` of its amax, in one reduction over integers.
+
+    That exponent is the float32 exponent field of ``amax``, plus one where
+    its mantissa exceeds that of ``max(dtype)``, less that of ``max(dtype)``:
+    ``(bits + carry) >> 23`` on the bits of ``|x|``, which grows with ``|x|``,
+    so the block's exponent is the largest of its elements' and XLA takes it in
+    the kernel that reads the elements, writing the one-byte scales (an amax,
+    then its exponent, took two kernels). Clamped to the bytes 1..253: an
+    all-zero block gets scale ``2**-126`` and stays zero; an inf or NaN gets a
+    scale of ``2**120`` or more and stays non-finite (NaN in float8), so the
+    product is NaN and the loss scaler sees it.
+    """
+    top = int(np.array(jnp.finfo(dtype).max, np.float32).view(np.uint32))
+    carry = np.uint32(0x7FFFFF - (top & 0x7FFFFF))
+    bits = lax.bitcast_convert_type(jnp.abs(blocks.astype(jnp.float32)), jnp.uint32)
+    biased = ((bits + carry) >> np.uint32(23)).astype(jnp.int32) - (top >> 23) + 127
+    biased = lax.clamp(np.int32(127 + _EXPONENTS[0]), biased, np.int32(127 + _EXPONENTS[1]))
+    return jnp.max(biased.astype(jnp.uint8), axis=axis)  # the clamp and the max commute
 
 
 def mx_quantize(x: jax.Array, dtype: Any = MX_DTYPE, block: int = MX_BLOCK, axis: int = -1
@@ -57,9 +81,11 @@ def mx_quantize(x: jax.Array, dtype: Any = MX_DTYPE, block: int = MX_BLOCK, axis
     ``block``: the last block is padded with zeros (which change neither its
     amax nor the product), so the scales have ``x``'s shape with
     ``ceil(x.shape[axis] / block)`` along ``axis``. A block of zeros gets
-    scale 1 and stays zero; a block with an inf or NaN gets scale 1 and NaN
-    elements (``float8_e4m3fn`` has no inf), so the product is NaN and the
-    loss scaler sees it.
+    scale ``2**-126`` and stays zero; a block with an inf or NaN gets a scale of
+    ``2**120`` or more and NaN elements where the inf or NaN was (``float8_e4m3fn`` has
+    no inf), so the product is NaN and the loss scaler sees it. Two kernels on
+    a GPU: the scales (:func:`_block_exponents`), then the elements, which
+    read the one-byte scales back (``2**-e`` from their bits).
     """
     axis = axis % x.ndim
     k = x.shape[axis]
@@ -67,15 +93,14 @@ def mx_quantize(x: jax.Array, dtype: Any = MX_DTYPE, block: int = MX_BLOCK, axis
     if padded != k:
         x = jnp.pad(x, [(0, padded - k) if d == axis else (0, 0) for d in range(x.ndim)])
     blocks = x.reshape(*x.shape[:axis], padded // block, block, *x.shape[axis + 1:])
-    # amax / max(dtype) rounded up to a power of two (exact, from the float32 bits). The amax
-    # is taken in x's own dtype (a maximum does not round): no float32 copy of x is made.
-    e = scaling.scale_exponent(jnp.max(jnp.abs(blocks), axis=axis + 1), dtype)
-    scaled = blocks.astype(jnp.float32) * jnp.expand_dims(scaling.pow2(-e), axis + 1)
+    biased = _block_exponents(blocks, axis + 1, dtype)
+    # 2**-e from the scale's byte s = e + 127: float32 bits (254 - s) << 23 (e in [-126, 126]).
+    inverse = lax.bitcast_convert_type((254 - biased.astype(jnp.int32)) << 23, jnp.float32)
+    scaled = blocks.astype(jnp.float32) * jnp.expand_dims(inverse, axis + 1)
     elements = scaled.astype(dtype).reshape(x.shape)
     if padded != k:
         elements = lax.slice_in_dim(elements, 0, k, axis=axis)
-    scales = lax.bitcast_convert_type((e + 127).astype(jnp.uint8), E8M0)
-    return elements, scales
+    return elements, lax.bitcast_convert_type(biased, E8M0)
 
 
 def _quantized_rows(quantize, x: jax.Array, batch, free, contract, block: int):
