@@ -702,3 +702,34 @@ def test_default_batch_norm_step_writes_no_more_bytes_than_flax_bfloat16(target)
     jaxmp_step, hand = _batch_norm_step("jaxmp", target), _batch_norm_step("hand", target)
     assert jaxmp_step.bytes_written <= hand.bytes_written, (jaxmp_step.bytes_written,
                                                             hand.bytes_written)
+
+
+def _scale_kernels(program: jaxmp.debug.GpuProgram) -> list[tuple[str, float, int]]:
+    """``(kernel, bytes read, bytes of its smallest one-byte output)`` of the kernels that
+    compute MX block scales (a kernel may also write its elements' exponents, one byte each,
+    for a second reduction), but not the moves of scales that cuDNN's block-scaled dot makes
+    itself (padding to its tiles, swizzling)."""
+    from benchmarks import gpu_program as bench
+    ops = bench.kernel_ops(program.text)
+    found = []
+    for k in program.kernels:
+        own = ops.get(k.name, [])
+        if k.products or not own or bench.classify(own, k.op_name) == "transpose":
+            continue
+        scales = [math.prod(int(d) for d in dims.split(",") if d)
+                  for dims in re.findall(r"\b(?:u8|f8e8m0fnu)\[([\d,]*)\]", own[0].type)]
+        if scales:
+            found.append((k.name, k.read, min(scales)))
+    return found
+
+
+@pytest.mark.gpu_program
+@needs_plugin
+def test_mxfp8_block_scales_are_computed_in_the_kernel_that_reads_the_elements():
+    # Issue 41 part 4: a block's scale is one integer max over its elements' exponents, in
+    # the kernel that reads them; no kernel turns block amaxes (2 or 4 bytes a block) into
+    # scales (1 byte a block). The elements outweigh their scales 32 to 1 (8 to 1 at least).
+    kernels = _scale_kernels(_mlp_step("mxfp8_jaxmp", "b200"))
+    assert kernels
+    from_amaxes = [name for name, read, scales in kernels if read < 8 * scales]
+    assert not from_amaxes, from_amaxes
