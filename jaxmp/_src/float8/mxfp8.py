@@ -94,16 +94,34 @@ def mx_quantize(x: jax.Array, dtype: Any = MX_DTYPE, block: int = MX_BLOCK, axis
         x = jnp.pad(x, [(0, padded - k) if d == axis else (0, 0) for d in range(x.ndim)])
     blocks = x.reshape(*x.shape[:axis], padded // block, block, *x.shape[axis + 1:])
     biased = _block_exponents(blocks, axis + 1, dtype)
-    # 2**-e from the scale's byte s = e + 127: float32 bits (254 - s) << 23 (e in [-126, 126]).
-    inverse = lax.bitcast_convert_type((254 - biased.astype(jnp.int32)) << 23, jnp.float32)
-    scaled = blocks.astype(jnp.float32) * jnp.expand_dims(inverse, axis + 1)
-    elements = scaled.astype(dtype).reshape(x.shape)
+    elements = _scaled_blocks(blocks, biased, axis + 1, dtype).reshape(x.shape)
     if padded != k:
         elements = lax.slice_in_dim(elements, 0, k, axis=axis)
     return elements, lax.bitcast_convert_type(biased, E8M0)
 
 
-def _quantized_rows(quantize, x: jax.Array, batch, free, contract, block: int):
+def _scaled_blocks(blocks: jax.Array, biased: jax.Array, axis: int, dtype: Any) -> jax.Array:
+    """``blocks`` (each along ``axis``) over their scales (biased exponents ``biased``), rounded
+    to ``dtype``: ``2**-e`` from each scale's byte ``s = e + 127``, the float32 bits
+    ``(254 - s) << 23`` (``e`` in ``[-126, 126]``)."""
+    inverse = lax.bitcast_convert_type((254 - biased.astype(jnp.int32)) << 23, jnp.float32)
+    return (blocks.astype(jnp.float32) * jnp.expand_dims(inverse, axis)).astype(dtype)
+
+
+def mx_elements(x: jax.Array, scales: jax.Array, dtype: Any = MX_DTYPE,
+                block: int = MX_BLOCK) -> jax.Array:
+    """The elements of :func:`mx_quantize` of ``x`` along its last dimension, given its
+    ``scales``: ``x / scales`` in ``dtype``, without taking the blocks' amaxes again."""
+    k = x.shape[-1]
+    padded = scales.shape[-1] * block
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - k)]) if padded != k else x
+    biased = lax.bitcast_convert_type(scales, jnp.uint8)
+    blocks = x.reshape(*x.shape[:-1], scales.shape[-1], block)
+    return _scaled_blocks(blocks, biased, x.ndim, dtype).reshape(x.shape)[..., :k]
+
+
+def _quantized_rows(quantize, x: jax.Array, batch, free, contract, block: int,
+                    elements_given_scales=None):
     """``quantize(_rows(x, batch, free, contract))``: ``x`` as ``(B, F, K)`` in blocks along
     ``K``, quantized in ``x``'s own layout when the blocks lie within one of its dimensions.
 
@@ -113,12 +131,19 @@ def _quantized_rows(quantize, x: jax.Array, batch, free, contract, block: int):
     are laid out as ``(B, F, K)``. Transposing ``x`` first (for a weight
     gradient's blocks along the batch and tokens) made XLA write a transposed
     copy of ``|x|`` to take the blocks' amaxes. Same blocks, same numbers.
+    Given ``elements_given_scales(x, scales)`` (:func:`mx_elements`), only the
+    scales are taken where ``x`` lies, and the elements are rounded from ``x``
+    read as ``(B, F, K)``: the kernel that rounds them writes the float8 layout
+    cuDNN reads, where XLA transposed the float8 copy in a kernel of its own.
     """
     last = contract[-1]
     if x.shape[last] % block:
         return quantize(_rows(x, batch, free, contract))
     elements, scales = quantize(x, axis=last)
-    return _rows(elements, batch, free, contract), _rows(scales, batch, free, contract)
+    scales = _rows(scales, batch, free, contract)
+    if elements_given_scales is None:
+        return _rows(elements, batch, free, contract), scales
+    return elements_given_scales(_rows(x, batch, free, contract), scales), scales
 
 
 def _pad_blocks(q: jax.Array, scales: jax.Array, block: int) -> jax.Array:
@@ -190,7 +215,7 @@ def _mx_matmul(qa, sa, qb, sb, dtype=jnp.float32):
 
 
 def _block_scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, quantize, matmul,
-                      block):
+                      block, elements=None):
     """``dot_general(a, b)`` with block-scaled operands, forward and backward.
 
     ``quantize`` takes an operand and returns its elements and scales in
@@ -204,7 +229,9 @@ def _block_scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, quant
     (``a . ct``) along ``a``'s free dimensions (a layer's batch and token
     dimensions). The backward operands ``a`` and ``b`` are quantized in the
     forward pass, from the values themselves (not from their forward
-    quantization), and saved in float8 with their scales.
+    quantization), and saved in float8 with their scales. ``elements(x, scales)``,
+    where given, rounds an operand's elements given its scales
+    (:func:`_quantized_rows`).
     """
     del matmul_dtype  # the recipe's quantize says which float8 dtype
     dtype = scaling.product_dtype(out_dtype)
@@ -221,7 +248,7 @@ def _block_scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, quant
         return forward(a, b)[0]
 
     def forward(a, b):
-        rows = lambda x, *dims: _quantized_rows(quantize, x, *dims, block)
+        rows = lambda x, *dims: _quantized_rows(quantize, x, *dims, block, elements)
         out = matmul(*rows(a, ab, a_free, ac), *rows(b, bb, b_free, bc), dtype)
         shape = [a.shape[d] for d in (*ab, *a_free)] + [b.shape[d] for d in b_free]
         residuals = (rows(a, ab, ac, a_free), rows(b, bb, bc, b_free))
@@ -230,7 +257,7 @@ def _block_scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, quant
     def backward(residuals, ct):
         a_t, b_t = residuals
         # d/da: ct (B, M, N) times b (B, K, N), both in blocks along b's free dimensions.
-        rows = lambda x, *dims: _quantized_rows(quantize, x, *dims, block)
+        rows = lambda x, *dims: _quantized_rows(quantize, x, *dims, block, elements)
         da = matmul(*rows(ct, ct_batch, ct_a, ct_b), *b_t, dtype)
         # d/db: a (B, K, M) times ct (B, N, M), both in blocks along a's free dimensions.
         db = matmul(*a_t, *rows(ct, ct_batch, ct_b, ct_a), dtype)
@@ -245,7 +272,7 @@ def _block_scaled_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, quant
 RECIPE = Recipe(
     "mxfp8", (MX_DTYPE,), MX_BLOCK, frozenset({"dot_general"}),
     functools.partial(_block_scaled_dot, quantize=mx_quantize, matmul=_mx_matmul,
-                      block=MX_BLOCK),
+                      block=MX_BLOCK, elements=mx_elements),
     convolution.scaled_conv,
     "OCP MXFP8: float8_e4m3fn elements with one E8M0 scale per 32 elements along each "
     "product's contracting dimension, forward and backward", fallback="tensor",
