@@ -20,6 +20,7 @@ import jaxmp
 from tests.helpers import matmul, rel
 from jaxmp._src import float8
 from jaxmp._src import jaxprs
+from jaxmp._src.float8 import mxfp8
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -97,6 +98,37 @@ def test_quantized_operand_is_the_reference(k):
     scale = np.repeat(np.asarray(scales[0], np.float64), 32, axis=-1)[:, :k]
     np.testing.assert_array_equal(np.asarray(elements[0], np.float64) * scale, _mx(x))
     assert not np.any(np.asarray(elements[0, 4, :32], np.float64))  # the zero block stays zero
+
+
+def test_block_scales_from_element_exponents_match_the_reference():
+    """A block's scale is the largest of its elements' exponents (one integer max, issue 41
+    part 4): the same as 2**ceil(log2(amax / 448)) over magnitudes from 1e-38 to 1e38, in
+    bfloat16 and float32, an all-zero block gets 2**-126 and an inf or NaN stays NaN."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, 128)) * 10.0 ** rng.integers(-37, 37, (8, 1))
+    x[1, 32:64] = 448.0 * 2.0 ** rng.integers(-20, 20, 32)  # powers of two times 448: no carry
+    x[2, :32] = 0.0
+    for dtype in (np.float32, jnp.bfloat16):
+        xd = np.asarray(x.astype(dtype), np.float64)
+        elements, scales = jax.jit(float8.mx_quantize)(jnp.asarray(x, dtype))
+        scale = np.repeat(np.asarray(scales, np.float64), 32, axis=-1)
+        np.testing.assert_array_equal(np.asarray(elements, np.float64) * scale, _mx(xd))
+        assert np.asarray(scales, np.float64)[2, 0] == 2.0 ** -126
+    bad = np.asarray(x, np.float32)
+    bad[0, 3], bad[4, 40] = np.inf, np.nan
+    elements, scales = float8.mx_quantize(jnp.asarray(bad))
+    elements = np.asarray(elements, np.float64)
+    assert np.isnan(elements[0, 3]) and np.isnan(elements[4, 40])
+    assert np.isfinite(np.delete(elements.ravel(), [3, 4 * 128 + 40])).all()
+
+
+def test_elements_given_scales_are_the_quantizer_s():
+    x = jnp.asarray(_rows((2, 40, 64), 4, outliers=(1,)))
+    elements, scales = float8.mx_quantize(x, axis=1)  # blocks along 40 tokens: padded to 64
+    moved = jnp.moveaxis(x, 1, -1)
+    given = mxfp8.mx_elements(moved, jnp.moveaxis(scales, 1, -1))
+    np.testing.assert_array_equal(np.asarray(given, np.float32),
+                                  np.asarray(jnp.moveaxis(elements, 1, -1), np.float32))
 
 
 # Products as models write them: (einsum, lhs shape, rhs shape).

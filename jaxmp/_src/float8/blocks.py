@@ -54,7 +54,8 @@ def from_blocks(blocks: jax.Array, k: int, axis: int) -> jax.Array:
     return lax.slice_in_dim(x, 0, k, axis=axis) if x.shape[axis] != k else x
 
 
-def quantized_rows(quantize, x: jax.Array, batch, free, contract, block: int):
+def quantized_rows(quantize, x: jax.Array, batch, free, contract, block: int,
+                   elements_given_scales=None):
     """``quantize(rows(x, batch, free, contract))``: ``x`` as ``(B, F, K)`` in blocks along
     ``K``, quantized in ``x``'s own layout when the blocks lie within one of its dimensions.
 
@@ -64,12 +65,19 @@ def quantized_rows(quantize, x: jax.Array, batch, free, contract, block: int):
     scales are laid out as ``(B, F, K)``. Transposing ``x`` first (for a weight
     gradient's blocks along the batch and tokens) made XLA write a transposed
     copy of ``|x|`` to take the blocks' amaxes. Same blocks, same numbers.
+    Given ``elements_given_scales(x, scales)`` (``mxfp8.mx_elements``), only the
+    scales are taken where ``x`` lies, and the elements are rounded from ``x``
+    read as ``(B, F, K)``: the kernel that rounds them writes the layout cuDNN
+    reads, where XLA transposed a quantized copy in a kernel of its own.
     """
     last = contract[-1]
     if x.shape[last] % block:
         return quantize(rows(x, batch, free, contract))
     elements, scales = quantize(x, axis=last)
-    return rows(elements, batch, free, contract), rows(scales, batch, free, contract)
+    scales = rows(scales, batch, free, contract)
+    if elements_given_scales is None:
+        return rows(elements, batch, free, contract), scales
+    return elements_given_scales(rows(x, batch, free, contract), scales), scales
 
 
 def pad_blocks(q: jax.Array, scales: jax.Array, block: int) -> jax.Array:
