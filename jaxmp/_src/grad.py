@@ -164,12 +164,19 @@ def mp_value_and_grad(
     @kernel.wraps_adding_scaler_state(fn)
     def value_and_grad_fn(*args, scaler_state=kernel.REQUIRED, **kwargs):
         state = step.check_state(scaler_state)
+        history, kwargs = step.split_float8_state(kwargs)  # float8_scaling="delayed" only
         diff, rebuild, devices = step.differentiable(args, state)
-        (_, (loss, aux)), grads = jax.value_and_grad(
-            lambda d: step.scaled_loss(state, rebuild(d), kwargs),
-            has_aux=True)(step.traced_views(diff))
+
+        def scaled_loss(d, h):
+            return step.scaled_loss(state, rebuild(d), kwargs if h is None
+                                    else {**kwargs, "float8_state": h})
+
+        # The gradient of the float8 state is its change (float8/delayed.py): not unscaled.
+        (_, (loss, aux)), (grads, changes) = jax.value_and_grad(
+            scaled_loss, argnums=(0, 1), has_aux=True)(step.traced_views(diff), history)
         grads = step.unscale(state, grads, diff)
-        return step.finish(loss, aux, grads, state, devices)
+        out = step.finish(loss, aux, grads, state, devices)
+        return out if history is None else (*out, step.updated_float8_state(history, changes))
 
     return value_and_grad_fn
 
@@ -199,9 +206,10 @@ def mp_grad(fn: Callable, **options: Any) -> Callable:
     def grad_fn(*args, scaler_state=kernel.REQUIRED, **kwargs):
         if scaler_state is kernel.REQUIRED:
             raise kernel.missing_scaler_state("jaxmp.mp_grad")
-        value, grads, state, finite = value_and_grad_fn(*args, scaler_state=scaler_state, **kwargs)
+        value, grads, state, finite, *float8_state = value_and_grad_fn(
+            *args, scaler_state=scaler_state, **kwargs)
         if has_aux:
-            return (grads, value[1]), state, finite
-        return grads, state, finite
+            return ((grads, value[1]), state, finite, *float8_state)
+        return (grads, state, finite, *float8_state)
 
     return grad_fn
