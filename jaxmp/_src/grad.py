@@ -120,7 +120,11 @@ def mp_value_and_grad(
             (``jaxmp.autocast``'s ``float8_scaling``): ``"tensor"`` (default),
             one scale per tensor; ``"mxfp8"``, one power-of-two scale per block
             of 32 elements along each product's contracting dimension (OCP
-            MXFP8, ``matmul_dtype=jnp.float8_e4m3fn``).
+            MXFP8, ``matmul_dtype=jnp.float8_e4m3fn``); ``"delayed"``, one scale
+            per tensor from an amax history of the last steps: the function
+            then takes ``float8_state=`` (from
+            :func:`jaxmp.experimental.init_float8_state`) and returns it updated
+            as a fifth value (``docs/float8.md``, "Delayed scaling").
         autocast_rules: with ``autocast=True``, a :class:`jaxmp.AutocastRules`:
             which primitives autocast runs in which precision (``jaxmp.autocast``'s
             ``rules``), e.g. ``jaxmp.AutocastRules(full_precision=
@@ -131,7 +135,8 @@ def mp_value_and_grad(
     Returns:
         A function returning ``(loss, grads, scaler_state, finite)``, or
         ``((loss, aux), grads, scaler_state, finite)`` with ``has_aux=True``.
-        ``grads`` is a tuple when ``argnums`` is a sequence.
+        ``grads`` is a tuple when ``argnums`` is a sequence. With
+        ``float8_scaling="delayed"``, the updated ``float8_state`` follows ``finite``.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -188,7 +193,8 @@ def mp_grad(fn: Callable, **options: Any) -> Callable:
 
     Returns:
         A function returning ``(grads, scaler_state, finite)``, or
-        ``((grads, aux), scaler_state, finite)`` with ``has_aux=True``.
+        ``((grads, aux), scaler_state, finite)`` with ``has_aux=True`` (and the
+        updated ``float8_state`` last with ``float8_scaling="delayed"``).
 
     Examples:
         >>> import jax.numpy as jnp

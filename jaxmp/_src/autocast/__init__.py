@@ -194,7 +194,12 @@ def autocast(
             dot); on the CPU an emulation computes the same numbers; on other
             accelerators (Hopper and older) the ``"tensor"`` recipe runs
             instead, chosen when the product is traced and said once by a
-            :class:`jaxmp.experimental.Float8ShortfallWarning`. See ``docs/float8.md``.
+            :class:`jaxmp.experimental.Float8ShortfallWarning`. ``"delayed"``: one
+            power-of-two scale per tensor from an amax history of the last steps
+            (Transformer Engine's recipe): the function then takes a keyword
+            ``float8_state=`` (:func:`jaxmp.experimental.init_float8_state`), which
+            it reads only; :func:`jaxmp.mp_value_and_grad` returns it updated.
+            See ``docs/float8.md``.
 
     The default sets are also attributes of this function
     (``jaxmp.autocast.FULL_PRECISION``...); to change a rule, pass a new set,
@@ -206,6 +211,8 @@ def autocast(
     Raises:
         ValueError: for an unknown ``float8_scaling``, or ``"mxfp8"`` without
             ``matmul_dtype=jnp.float8_e4m3fn`` (the message says the fix).
+        TypeError: with ``float8_scaling="delayed"``, when the call has no
+            ``float8_state=`` (the message says the fix).
 
     Examples:
         >>> import jax, jax.numpy as jnp

@@ -76,6 +76,16 @@ class Float8State:
             (:data:`EMPTY` where nothing was recorded).
         margin: static int: scales are ``margin`` powers of two below what the
             window's largest amax needs (headroom for growth between steps).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> import jaxmp
+        >>> h = jaxmp.experimental.init_float8_state(lambda w, x: jnp.sum(x @ w),
+        ...                                          jnp.ones((4, 4)), jnp.ones((2, 4)), window=8)
+        >>> h.history.shape, h.margin  # one product: x, w and the cotangent, 8 steps each
+        ((1, 3, 8), 1)
+        >>> jax.tree_util.tree_leaves(h)[0] is h.history  # a pytree: jit, scan, checkpoints
+        True
     """
 
     history: jax.Array
