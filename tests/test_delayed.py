@@ -222,3 +222,59 @@ def test_flax_linen_model_trains_with_delayed_scaling():
     for _ in range(20):
         params, opt, h, loss = step(params, opt, h)
     assert float(loss_fn(params, x, y)) < 0.7 * first
+
+
+# --- The compiled H100 program: quantising fused into the producing kernel ----------------------
+
+
+def _norm_mlp(w, x):
+    """A residual block and an RMS norm, whose output is the next product's operand."""
+    h = x + jnp.tanh(x @ w["a"])
+    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)
+    return jnp.mean(h @ w["b"])
+
+
+def _h100_kernels(variant):
+    """``{kernel name: (opcodes, float8 converts)}`` of the H100 program of a training step."""
+    import warnings
+
+    from benchmarks import gpu_program as bench
+    from jaxmp._src import gpu_program as gp
+
+    if not gp.plugin_installed():
+        pytest.skip("needs JAX's CUDA plugin: pip install -e '.[gpu-compile]'")
+    s = jax.ShapeDtypeStruct
+    w = {"a": s((256, 256), jnp.float32), "b": s((256, 256), jnp.float32)}
+    x = s((128, 256), jnp.float32)
+    init, step = bench.make_step(_norm_mlp, variant, batch=(x,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = jaxmp.debug.gpu_program(jax.jit(step, donate_argnums=0), jax.eval_shape(
+            init, w), x, target="h100")
+    ops = bench.kernel_ops(program.text)
+    return {k.name: ({o.opcode for o in ops.get(k.name, [])},
+                     [o.type for o in ops.get(k.name, []) if o.opcode == "convert"
+                      and "f8e" in o.type]) for k in program.kernels if not k.products}
+
+
+@pytest.mark.gpu_program
+def test_delayed_quantise_and_amax_run_in_the_kernel_producing_the_activation():
+    delayed_kernels, tensor_kernels = _h100_kernels("fp8_delayed_jaxmp"), _h100_kernels(
+        "fp8_jaxmp")
+    # The normalised activation [128, 256]: normalised, quantised and its amax taken in one
+    # kernel; no other kernel converts it to float8.
+    act = [codes for codes, f8 in delayed_kernels.values()
+           if any(t.startswith("f8e4m3fn[128,256]") for t in f8)]
+    assert len(act) == 2  # x (an input) and the activation
+    assert sum({"rsqrt", "tanh", "abs", "reduce"} <= codes for codes in act) == 1, act
+
+    def amax_only(kernels):  # kernels that take an amax and quantise nothing
+        return sum(1 for codes, f8 in kernels.values() if {"abs", "reduce"} <= codes and not f8)
+
+    def quantise(kernels):
+        return sum(1 for _, f8 in kernels.values() if f8)
+
+    # "tensor": 4 amax kernels (each re-reading its tensor) and 5 quantise kernels.
+    assert amax_only(delayed_kernels) <= amax_only(tensor_kernels) - 2
+    assert quantise(delayed_kernels) <= quantise(tensor_kernels)
+    assert len(delayed_kernels) < len(tensor_kernels)

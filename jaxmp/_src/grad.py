@@ -176,12 +176,12 @@ def mp_value_and_grad(
             return step.scaled_loss(state, rebuild(d), kwargs if h is None
                                     else {**kwargs, "float8_state": h})
 
-        # The gradient of the float8 state is its change (float8/delayed.py): not unscaled.
-        (_, (loss, aux)), (grads, changes) = jax.value_and_grad(
+        # The gradient of the float8 state holds what the step recorded (float8/delayed.py).
+        (_, (loss, aux)), (grads, recorded) = jax.value_and_grad(
             scaled_loss, argnums=(0, 1), has_aux=True)(step.traced_views(diff), history)
         grads = step.unscale(state, grads, diff)
         out = step.finish(loss, aux, grads, state, devices)
-        return out if history is None else (*out, step.updated_float8_state(history, changes))
+        return out if history is None else (*out, step.updated_float8_state(history, recorded))
 
     return value_and_grad_fn
 

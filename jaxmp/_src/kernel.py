@@ -383,12 +383,12 @@ class Step:
         kwargs = dict(kwargs)
         return self.float8_state.check(kwargs.pop("float8_state", None)), kwargs
 
-    def updated_float8_state(self, old: Any, changes: Any) -> Any:
-        """The float8 state this step returns: ``old`` plus what its backward pass recorded
-        (the gradient of the state is its change: ``float8/delayed.py``). Never unscaled and
-        not part of the finiteness check: a skipped step still records its amaxes (the
-        non-finite ones are not recorded)."""
-        return jax.tree_util.tree_map(lambda o, c: o + c, old, changes)
+    def updated_float8_state(self, old: Any, grad: Any) -> Any:
+        """The float8 state this step returns, from ``old`` and the gradient of the loss with
+        respect to it, which the recipe's backward pass fills with what it records
+        (``float8/delayed.py``). Never unscaled and not part of the finiteness check: a
+        skipped step still records its amaxes (the non-finite ones are not recorded)."""
+        return self.float8_state.update(old, grad)
 
     @property
     def single_argnum(self) -> bool:

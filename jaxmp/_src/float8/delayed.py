@@ -19,12 +19,14 @@ a non-finite one). The scale of a step is ``2**-(max over the window + margin)``
 an empty window gives scale 1 (Transformer Engine's first step).
 
 How the new history comes back: the product is a ``jax.custom_vjp`` that
-takes its history row as a third input, and its backward pass returns, as the
-"cotangent" of that row, the *change* of the row (the row rolled by one step,
-the three new exponents in front, minus the old row). The gradient step adds
-the gradient of the history to the history: small integers in float32, exact,
-and a product whose backward pass does not run (a branch not taken) leaves its
-row unchanged.
+takes the latest entries of its history row as a third input (their values
+unused), and its backward pass returns, as their "cotangent", the three new
+exponents minus :data:`EMPTY`. The gradient step reads the new entries from
+the gradient of the history (:func:`updated`: ``EMPTY`` plus the gradient of
+the latest column) and shifts the window by one step, in one kernel for every
+product; a product whose backward pass does not run (a branch not taken)
+records :data:`EMPTY`, "nothing recorded". The scale exponents of every
+product are computed once per step from the whole history (one reduction).
 
 A value beyond the delayed scale (a spike: an amax that grew faster than the
 margin) is clipped to the float8 dtype's largest value before the cast
@@ -111,16 +113,21 @@ class _Session:
 
     def __init__(self, history, margin: int):
         self.history, self.margin, self.count = history, margin, 0
+        # Every product's scale exponents at once (int32 [products, 3]): one small reduction.
+        self.exponents = None if history is None else jax.lax.stop_gradient(
+            delayed_exponents(history, margin))
 
-    def row(self) -> jax.Array:
+    def row(self) -> tuple[jax.Array, jax.Array]:
+        """``(latest, exponents)`` of the next product: its latest history entries (float32
+        ``[3]``, the input whose gradient records the new ones) and its scale exponents."""
         i, self.count = self.count, self.count + 1
         if self.history is None:  # counting the products (init_float8_state)
-            return jnp.full((3, 1), EMPTY, jnp.float32)
+            return jnp.full((3,), EMPTY, jnp.float32), jnp.zeros((3,), jnp.int32)
         if i >= self.history.shape[0]:
             raise ValueError(
                 f"float8_state.history has {self.history.shape[0]} rows, one per float8 "
                 "product, but this function has more float8 products.\n" + _FIX)
-        return self.history[i]
+        return self.history[i, :, 0], self.exponents[i]
 
 
 _SESSIONS: list[_Session] = []
@@ -165,12 +172,20 @@ def _current() -> _Session:
     return _SESSIONS[-1]
 
 
-def delayed_exponent(entries: jax.Array, margin: int) -> jax.Array:
-    """The scale exponent (int32) from a tensor's history: the window's largest plus
-    ``margin``; 0 (scale 1) for an empty window."""
-    top = jnp.max(entries)
-    e = top.astype(jnp.int32) + np.int32(margin)
-    return jax.lax.select(top > EMPTY, jnp.minimum(e, np.int32(126)), np.int32(0))
+def delayed_exponents(history: jax.Array, margin: int) -> jax.Array:
+    """The scale exponents (int32 ``[products, 3]``) from a history: each window's largest
+    entry plus ``margin``; 0 (scale 1) for an empty window."""
+    top = jnp.max(history, axis=-1)
+    e = jnp.minimum(top.astype(jnp.int32) + np.int32(margin), np.int32(126))
+    return jnp.where(top > EMPTY, e, np.int32(0))
+
+
+def updated(state: Float8State, grad: Float8State) -> Float8State:
+    """The history after a step: one step older, the entries the step recorded in front
+    (``EMPTY`` plus the gradient of the latest column, see the module)."""
+    h = state.history
+    new = jnp.float32(EMPTY) + grad.history[:, :, :1]
+    return state.replace(history=jnp.concatenate([new, h[:, :, :-1]], axis=-1))
 
 
 def recorded(x: jax.Array, dtype: Any) -> jax.Array:
@@ -190,46 +205,41 @@ def saturated(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     return jnp.where(jnp.isinf(x), x, y).astype(dtype)
 
 
-def _roll(row: jax.Array, new: jax.Array) -> jax.Array:
-    """``row`` ``[3, window]`` one step older, ``new`` ``[3]`` in front."""
-    return jnp.concatenate([new[:, None], row[:, :-1]], axis=1)
-
-
 def _dot(a, b, dimension_numbers, dtype=jnp.float32):
     return jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=dtype)
 
 
 def _delayed_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype):
     """``dot_general(a, b)`` in float8, scaled from the history row of this product."""
-    s = _current()
-    margin, row = s.margin, s.row()
+    latest, e = _current().row()
     dtype = scaling.product_dtype(out_dtype)
 
     @jax.custom_vjp
-    def product(a, b, row):
-        return forward(a, b, row)[0]
+    def product(a, b, latest, e):
+        return forward(a, b, latest, e)[0]
 
-    def forward(a, b, row):
-        ea = delayed_exponent(row[0], margin)
-        eb = scaling.floor(delayed_exponent(row[1], margin), ea)
+    def forward(a, b, latest, e):
+        del latest  # only its gradient is used: the new entries
+        ea = e[0]
+        eb = scaling.floor(e[1], ea)
         f = scaling.factors((ea, eb), [(0, 1)], dtype)
         a8, b8 = saturated(a, f[0], matmul_dtype), saturated(b, f[1], matmul_dtype)
         out = (_dot(a8, b8, dimension_numbers, dtype) * f[2]).astype(out_dtype)
         new = (recorded(a, matmul_dtype), recorded(b, matmul_dtype))
-        return out, (a8, ea, b8, eb, new, row)
+        return out, (a8, ea, b8, eb, e[2], new)
 
     def backward(res, ct):
-        a8, ea, b8, eb, new, row = res
-        ec = scaling.floor(delayed_exponent(row[2], margin), ea, eb)
+        a8, ea, b8, eb, ec, new = res
+        ec = scaling.floor(ec, ea, eb)
         f = scaling.factors((ec, ea, eb), [(0, 2), (0, 1)], dtype)
         ct8 = saturated(ct, f[0], GRAD_DTYPE)
         dot = lambda x, y, dn: _dot(x, y, dn, dtype)
         da, db = jaxprs.dot_transposes(ct8, a8, b8, dimension_numbers, dot)
-        changed = _roll(row, jnp.stack([*new, recorded(ct, GRAD_DTYPE)])) - row
-        return (da * f[3]).astype(a.dtype), (db * f[4]).astype(b.dtype), changed
+        entries = jnp.stack([*new, recorded(ct, GRAD_DTYPE)]) - jnp.float32(EMPTY)
+        return (da * f[3]).astype(a.dtype), (db * f[4]).astype(b.dtype), entries, None
 
     product.defvjp(forward, backward)
-    return product(a, b, row)
+    return product(a, b, latest, e)
 
 
 #: The ``"delayed"`` row of the recipe table: the first recipe with state.
@@ -237,4 +247,4 @@ RECIPE = Recipe(
     "delayed", rules.FLOAT8_DTYPES, 0, frozenset(), _delayed_dot, convolution.scaled_conv,
     "one power-of-two scale per tensor from an amax history of the last steps (needs "
     "float8_state=, jaxmp.experimental.init_float8_state); cotangents in float8_e5m2",
-    state=StateSpec(Float8State, check_state, session, empty_state))
+    state=StateSpec(Float8State, check_state, session, empty_state, updated))

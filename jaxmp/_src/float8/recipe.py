@@ -21,12 +21,15 @@ class StateSpec(NamedTuple):
             read their rows of ``history`` (``None``: count the products); yields an
             object whose ``count`` is the number of products traced.
         empty: ``empty(products, window, margin)``: the state with nothing recorded.
+        update: ``update(state, grad)``: the state after a step, from the gradient of the
+            loss with respect to the state (which the recipe's backward pass fills).
     """
 
     type: type
     check: Callable
     session: Callable
     empty: Callable
+    update: Callable
 
 
 class Recipe(NamedTuple):
