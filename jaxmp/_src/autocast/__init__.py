@@ -347,7 +347,7 @@ def init_float8_state(fn: Callable, *args: Any, window: int = 16, margin: int = 
         >>> loss, grads, s, finite, h = step(w, x, scaler_state=jaxmp.noop_scaler(),
         ...                                  float8_state=h)
         >>> h.history[0, :, 0].tolist()  # this step's scale exponents: x, w[0], cotangent
-        [-8.0, -12.0, -22.0]
+        [-8.0, -12.0, -24.0]
     """
     casting.check_function(fn, "jaxmp.experimental.init_float8_state",
                            "init_float8_state(loss_fn, *example_args, window=16)")
