@@ -161,6 +161,17 @@ def test_history_in_a_lax_scan_carry_over_steps():
     assert float(losses[-1]) < float(losses[0])
 
 
+def test_the_history_round_trips_through_flax_serialization():
+    from flax import serialization
+
+    h = delayed.empty_state(3, window=4, margin=2)
+    h = h.replace(history=h.history.at[1, 2, 0].set(-7.0))
+    back = serialization.from_bytes(delayed.empty_state(3, window=4, margin=2),
+                                    serialization.to_bytes(h))
+    helpers.assert_bitwise(back, h)
+    assert back.margin == 2
+
+
 def test_missing_or_mis_sized_history_errors_name_the_fix():
     params, x, y = _mlp()
     grad_fn = jaxmp.mp_value_and_grad(helpers.mlp_loss, float8_scaling="delayed", **OPTIONS)
