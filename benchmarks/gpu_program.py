@@ -23,6 +23,8 @@ LLaMA-7B-shaped block, ``gpt_small``, ``resnet50`` in Flax linen, and
 * ``mxfp8_jaxmp``: the same with ``float8_scaling="mxfp8"``;
 * ``nvfp4_jaxmp``: ``bf16_jaxmp`` with ``matmul_dtype=jnp.float4_e2m1fn,
   float8_scaling="nvfp4"`` (NVIDIA's 4-bit recipe),
+* ``fp8_delayed_jaxmp``: ``fp8_jaxmp`` with ``float8_scaling="delayed"`` (scales from an
+  amax history that the step carries in its state, ``init_float8_state``),
 
 it compiles the step for each target (``h100``: sm_90, ``b200``: sm_100) with
 :func:`jaxmp.debug.gpu_program` (JAX's CUDA plugin, no GPU; XLA's default settings,
@@ -74,7 +76,7 @@ import jaxmp
 from benchmarks import gpu_models, models
 
 VARIANTS = ("float32", "bf16_hand", "bf16_jaxmp", "f16_jaxmp", "fp8_jaxmp", "mxfp8_jaxmp",
-            "nvfp4_jaxmp")
+            "nvfp4_jaxmp", "fp8_delayed_jaxmp")
 MODELS = ("gpt", "resnet") + gpu_models.SPECS
 TARGETS = ("h100", "b200")
 
@@ -87,6 +89,8 @@ _JAXMP = {
                     "float8_scaling": "mxfp8"},
     "nvfp4_jaxmp": {"compute_dtype": jnp.bfloat16, "matmul_dtype": jnp.float4_e2m1fn,
                     "float8_scaling": "nvfp4"},
+    "fp8_delayed_jaxmp": {"compute_dtype": jnp.bfloat16, "matmul_dtype": jnp.float8_e4m3fn,
+                          "float8_scaling": "delayed"},
 }
 
 
@@ -96,11 +100,12 @@ def _cast_floats(tree, dtype):
 
 
 def make_step(loss: Callable, variant: str, optimizer=None,
-              hand_loss: Callable | None = None) -> tuple[Callable, Callable]:
+              hand_loss: Callable | None = None, batch: Any = ()) -> tuple[Callable, Callable]:
     """``(init, step)`` of a variant: ``init(params) -> state``, ``step(state, *batch) ->
     (state, loss)``; ``loss(params, *batch)`` is the float32 model's loss, ``hand_loss``
     the model's own hand-written bfloat16 loss where it has one (Flax's ``dtype=``; by
-    default ``loss`` on the parameters and floating inputs cast to bfloat16)."""
+    default ``loss`` on the parameters and floating inputs cast to bfloat16). ``batch``
+    (shapes) sizes the amax history of ``fp8_delayed_jaxmp``, which the state carries."""
     optimizer = optimizer or optax.adam(1e-4)
     if variant in ("float32", "bf16_hand"):
         if variant == "float32":
@@ -128,16 +133,24 @@ def make_step(loss: Callable, variant: str, optimizer=None,
     options = _JAXMP[variant]
     grad_fn = jaxmp.mp_value_and_grad(loss, **options)
 
+    delayed = options.get("float8_scaling") == "delayed"
+
     def init(params):
-        return {"params": params, "opt_state": optimizer.init(params),
-                "scaler": jaxmp.scaler_for(options["compute_dtype"])}
+        state = {"params": params, "opt_state": optimizer.init(params),
+                 "scaler": jaxmp.scaler_for(options["compute_dtype"])}
+        if delayed:
+            example = [jnp.zeros(b.shape, b.dtype) for b in batch]
+            state["float8"] = jaxmp.experimental.init_float8_state(loss, params, *example)
+        return state
 
     def step(state, *batch):
-        value, grads, scaler, finite = grad_fn(state["params"], *batch,
-                                               scaler_state=state["scaler"])
+        extra = {"float8_state": state["float8"]} if delayed else {}
+        value, grads, scaler, finite, *float8 = grad_fn(state["params"], *batch,
+                                                        scaler_state=state["scaler"], **extra)
         params, opt_state = jaxmp.optimizer_update(state["params"], optimizer,
                                                    state["opt_state"], grads, finite)
-        return {"params": params, "opt_state": opt_state, "scaler": scaler}, value
+        new = {"params": params, "opt_state": opt_state, "scaler": scaler}
+        return (new | {"float8": float8[0]} if delayed else new), value
 
     return init, step
 
@@ -171,7 +184,7 @@ def compile_step(model_name: str, variant: str, target: str, quick: bool = False
                  depth: int | None = None) -> jaxmp.debug.GpuProgram:
     """The :class:`jaxmp.debug.GpuProgram` of one training step (nothing is allocated)."""
     loss, init_params, batch, _ = model(model_name, quick, depth)
-    init, step = make_step(loss, variant, hand_loss=hand_loss(model_name, quick))
+    init, step = make_step(loss, variant, hand_loss=hand_loss(model_name, quick), batch=batch)
     state = jax.eval_shape(lambda: init(init_params(jax.random.key(0))))
     return jaxmp.debug.gpu_program(jax.jit(step, donate_argnums=0), state, *batch, target=target)
 
@@ -180,7 +193,7 @@ def cpu_memory(model_name: str, variant: str, quick: bool = False) -> dict[str, 
     """XLA's memory (``compiled.memory_analysis()``) and the optimized HLO instructions of one
     step compiled for the CPU: the issue's measure of the scanned decoder."""
     loss, init_params, batch, _ = model(model_name, quick)
-    init, step = make_step(loss, variant, hand_loss=hand_loss(model_name, quick))
+    init, step = make_step(loss, variant, hand_loss=hand_loss(model_name, quick), batch=batch)
     state = jax.eval_shape(lambda: init(init_params(jax.random.key(0))))
     compiled = jax.jit(step, donate_argnums=0).lower(state, *batch).compile()
     memory = compiled.memory_analysis()
@@ -331,7 +344,8 @@ def row(model_name: str, variant: str, target: str, program: jaxmp.debug.GpuProg
 RATIOS = (("jaxmp bf16 / hand bf16", "bf16_jaxmp", "bf16_hand"),
           ("float8 / jaxmp bf16", "fp8_jaxmp", "bf16_jaxmp"),
           ("MXFP8 / jaxmp bf16", "mxfp8_jaxmp", "bf16_jaxmp"),
-          ("NVFP4 / jaxmp bf16", "nvfp4_jaxmp", "bf16_jaxmp"))
+          ("NVFP4 / jaxmp bf16", "nvfp4_jaxmp", "bf16_jaxmp"),
+          ("delayed float8 / jaxmp bf16", "fp8_delayed_jaxmp", "bf16_jaxmp"))
 
 
 def ratios(rows: list[dict]) -> list[dict]:

@@ -20,14 +20,18 @@ Examples:
 """
 
 from jaxmp._src.shortfall import Float8ShortfallWarning
+from jaxmp._src.autocast import init_float8_state
 from jaxmp._src.float8 import Float8Rules
 from jaxmp._src.float8 import NVFP4
+from jaxmp._src.float8.delayed import Float8State
 from jaxmp._src.low_precision import low_precision_optimizer
 from jaxmp._src.low_precision import LowPrecisionState
 
 __all__ = (
     "Float8Rules",
+    "Float8State",
     "Float8ShortfallWarning",
+    "init_float8_state",
     "low_precision_optimizer",
     "LowPrecisionState",
     "NVFP4",

@@ -64,8 +64,13 @@ DEBUG_ONLY = {
     "Kernel": gpu_program.Kernel,
     "Product": gpu_program.Product,
 }
-# Names new in jaxmp.experimental, never at the top level (issue 42).
-EXPERIMENTAL_ONLY = {"NVFP4": float8.NVFP4}
+# Names new in jaxmp.experimental, never at the top level (issue 41: delayed float8
+# scaling; issue 42: NVFP4).
+EXPERIMENTAL_ONLY = {
+    "NVFP4": float8.NVFP4,
+    "Float8State": jaxmp.experimental.Float8State,
+    "init_float8_state": jaxmp.experimental.init_float8_state,
+}
 CAST_ALIASES = {
     "cast_to_float16": jnp.float16,
     "cast_to_bfloat16": jnp.bfloat16,

@@ -210,7 +210,7 @@ def test_the_float8_package_is_layered():
 
     lower = {"float8.rules", "float8.scaling", "float8.target", "float8.recipe", "float8.blocks"}
     recipes = {m for m in MODULES if m.startswith("float8.") and _defines(m, "RECIPE")}
-    assert recipes == {"float8.tensor", "float8.mxfp8", "float8.nvfp4"}
+    assert recipes == {"float8.tensor", "float8.mxfp8", "float8.delayed", "float8.nvfp4"}
     parts = lower | recipes | {"float8.convolution", "float8.table"}
     assert {m for m in MODULES if m.startswith("float8.")} == parts
     for module in lower:

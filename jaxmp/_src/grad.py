@@ -122,7 +122,10 @@ def mp_value_and_grad(
             of 32 elements along each product's contracting dimension (OCP
             MXFP8, ``matmul_dtype=jnp.float8_e4m3fn``); ``"nvfp4"`` (or a
             :class:`jaxmp.experimental.NVFP4`), NVIDIA's 4-bit recipe
-            (``matmul_dtype=jnp.float4_e2m1fn``).
+            (``matmul_dtype=jnp.float4_e2m1fn``); ``"delayed"``, one scale per
+            tensor from an amax history of the last steps: the function then takes ``float8_state=`` (from
+            :func:`jaxmp.experimental.init_float8_state`) and returns it updated
+            as a fifth value (``docs/float8.md``, "Delayed scaling").
         autocast_rules: with ``autocast=True``, a :class:`jaxmp.AutocastRules`:
             which primitives autocast runs in which precision (``jaxmp.autocast``'s
             ``rules``), e.g. ``jaxmp.AutocastRules(full_precision=
@@ -133,7 +136,8 @@ def mp_value_and_grad(
     Returns:
         A function returning ``(loss, grads, scaler_state, finite)``, or
         ``((loss, aux), grads, scaler_state, finite)`` with ``has_aux=True``.
-        ``grads`` is a tuple when ``argnums`` is a sequence.
+        ``grads`` is a tuple when ``argnums`` is a sequence. With
+        ``float8_scaling="delayed"``, the updated ``float8_state`` follows ``finite``.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -166,12 +170,19 @@ def mp_value_and_grad(
     @kernel.wraps_adding_scaler_state(fn)
     def value_and_grad_fn(*args, scaler_state=kernel.REQUIRED, **kwargs):
         state = step.check_state(scaler_state)
+        history, kwargs = step.split_float8_state(kwargs)  # float8_scaling="delayed" only
         diff, rebuild, devices = step.differentiable(args, state)
-        (_, (loss, aux)), grads = jax.value_and_grad(
-            lambda d: step.scaled_loss(state, rebuild(d), kwargs),
-            has_aux=True)(step.traced_views(diff))
+
+        def scaled_loss(d, h):
+            return step.scaled_loss(state, rebuild(d), kwargs if h is None
+                                    else {**kwargs, "float8_state": h})
+
+        # The gradient of the float8 state holds what the step recorded (float8/delayed.py).
+        (_, (loss, aux)), (grads, recorded) = jax.value_and_grad(
+            scaled_loss, argnums=(0, 1), has_aux=True)(step.traced_views(diff), history)
         grads = step.unscale(state, grads, diff)
-        return step.finish(loss, aux, grads, state, devices)
+        out = step.finish(loss, aux, grads, state, devices)
+        return out if history is None else (*out, step.updated_float8_state(history, recorded))
 
     return value_and_grad_fn
 
@@ -183,7 +194,8 @@ def mp_grad(fn: Callable, **options: Any) -> Callable:
 
     Returns:
         A function returning ``(grads, scaler_state, finite)``, or
-        ``((grads, aux), scaler_state, finite)`` with ``has_aux=True``.
+        ``((grads, aux), scaler_state, finite)`` with ``has_aux=True`` (and the
+        updated ``float8_state`` last with ``float8_scaling="delayed"``).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -201,9 +213,10 @@ def mp_grad(fn: Callable, **options: Any) -> Callable:
     def grad_fn(*args, scaler_state=kernel.REQUIRED, **kwargs):
         if scaler_state is kernel.REQUIRED:
             raise kernel.missing_scaler_state("jaxmp.mp_grad")
-        value, grads, state, finite = value_and_grad_fn(*args, scaler_state=scaler_state, **kwargs)
+        value, grads, state, finite, *float8_state = value_and_grad_fn(
+            *args, scaler_state=scaler_state, **kwargs)
         if has_aux:
-            return (grads, value[1]), state, finite
-        return grads, state, finite
+            return ((grads, value[1]), state, finite, *float8_state)
+        return (grads, state, finite, *float8_state)
 
     return grad_fn

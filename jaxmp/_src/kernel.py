@@ -199,6 +199,18 @@ def prepare_call(fn: Callable, compute_dtype: Any, use_mixed_precision: bool, au
     return fn, compute_dtype
 
 
+def _state_spec(compute_dtype: Any, autocast: bool, matmul_dtype: Any,
+                float8_scaling: str) -> Any:
+    """The state spec of the float8 recipe a step runs (``None``: no float8, or no state)."""
+    if not autocast:
+        return None
+    from jaxmp._src import float8  # pylint: disable=g-import-not-at-top
+
+    matmul_dtype = float8.check_matmul_dtype(matmul_dtype, compute_dtype)
+    return None if matmul_dtype is None else float8.check_scaling(float8_scaling,
+                                                                  matmul_dtype).state
+
+
 def returned_state_dtypes(aux: PyTree, states: Sequence[PyTree]) -> PyTree:
     """``aux`` with its floating leaves in float32, except the framework state it returns.
 
@@ -308,6 +320,9 @@ class Step:
     # Whether the cast-inputs path counts the loss's products by dtype on its first trace
     # (MostlyFloat32Warning): a training step does, a diagnosis (find_nonfinite) does not.
     check_share: bool = True
+    # The state a float8 recipe carries (float8_scaling="delayed": a float8.StateSpec), passed
+    # as float8_state= and returned updated; None for the others.
+    float8_state: Any = None
     # What tracing learnt, for the rest of the step and for later traces; written by this
     # class's methods only.
     learnt: Learnt = dataclasses.field(default_factory=Learnt, compare=False)
@@ -356,7 +371,24 @@ class Step:
                    no_cast_nums=no_cast, has_aux=has_aux,
                    use_mixed_precision=use_mixed_precision, axis_name=axis_name,
                    reduce_dtype=reduce_dtype, compute_dtype=compute_dtype,
-                   check_share=check_share)
+                   check_share=check_share,
+                   float8_state=_state_spec(compute_dtype, use_mixed_precision and autocast,
+                                            matmul_dtype, float8_scaling))
+
+    def split_float8_state(self, kwargs: dict) -> tuple[Any, dict]:
+        """``(float8_state, other kwargs)``: the float8 recipe's state, checked (an error naming
+        the fix when it is missing), or ``None`` for a recipe without state."""
+        if self.float8_state is None:
+            return None, kwargs
+        kwargs = dict(kwargs)
+        return self.float8_state.check(kwargs.pop("float8_state", None)), kwargs
+
+    def updated_float8_state(self, old: Any, grad: Any) -> Any:
+        """The float8 state this step returns, from ``old`` and the gradient of the loss with
+        respect to it, which the recipe's backward pass fills with what it records
+        (``float8/delayed.py``). Never unscaled and not part of the finiteness check: a
+        skipped step still records its amaxes (the non-finite ones are not recorded)."""
+        return self.float8_state.update(old, grad)
 
     @property
     def single_argnum(self) -> bool:

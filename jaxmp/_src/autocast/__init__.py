@@ -23,6 +23,7 @@ the four together; the other modules do not import it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable, Iterable
@@ -201,7 +202,11 @@ def autocast(
             gradients, its output head (``head`` scopes) and attention's
             batched products kept in ``compute_dtype``; a :class:`jaxmp.experimental.NVFP4` turns its
             parts off. Native on the same GPUs as ``"mxfp8"``, with the same
-            fallback. See ``docs/float8.md``.
+            fallback. ``"delayed"``: one power-of-two scale per tensor from an
+            amax history of the last steps (Transformer Engine's recipe): the
+            function then takes a keyword ``float8_state=`` (:func:`jaxmp.experimental.init_float8_state`), which
+            it reads only; :func:`jaxmp.mp_value_and_grad` returns it updated.
+            See ``docs/float8.md``.
 
     The default sets are also attributes of this function
     (``jaxmp.autocast.FULL_PRECISION``...); to change a rule, pass a new set,
@@ -214,6 +219,8 @@ def autocast(
         ValueError: for an unknown ``float8_scaling``, or ``"mxfp8"`` without
             ``matmul_dtype=jnp.float8_e4m3fn`` (``"nvfp4"`` without
             ``jnp.float4_e2m1fn``; the message says the fix).
+        TypeError: with ``float8_scaling="delayed"``, when the call has no
+            ``float8_state=`` (the message says the fix).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -260,7 +267,7 @@ def autocast(
         rules = dataclasses.replace(rules, **overrides)
     recompute = recompute_float32 and casting.is_narrow_dtype(compute_dtype)
 
-    def run_autocast(closed, dyn):
+    def run_autocast(closed, dyn, margin=None):
         if matmul_dtype is not None:  # says, once, which products cannot run in float8
             shortfall.warn_if_float8_shortfall(closed, rules, float8_rules, compute_dtype,
                                                matmul_dtype, float8_recipe,
@@ -277,7 +284,12 @@ def autocast(
         consts = list(closed.consts)
 
         def run(*flat):
-            outs = interpreter.eval_jaxpr(closed.jaxpr, flat[:len(consts)], flat[len(consts):])
+            # A recipe with state (float8_scaling="delayed"): its products read their rows of
+            # the history, the first input (see _with_state).
+            with (contextlib.nullcontext() if margin is None
+                  else float8_recipe.state.session(flat[len(consts)], margin)):
+                outs = interpreter.eval_jaxpr(closed.jaxpr, flat[:len(consts)],
+                                              flat[len(consts):])
             return [interpreter.to_original(o, a) for o, a in zip(outs, out_avals)]
 
         # Forward mode (jax.jvp, jacfwd, hessian) cannot go through the custom_vjp that ties
@@ -288,7 +300,74 @@ def autocast(
                 program, [*consts, *dyn], recompute_lib.recompute_policy(rules.low_precision))
         return run(*consts, *dyn)
 
+    if matmul_dtype is not None and float8_recipe.state is not None:
+        return _with_state(fn, float8_recipe.state, run_autocast)
     return functools.wraps(fn)(interpret.transform(fn, run_autocast))
+
+
+def _with_state(fn: Callable, spec: Any, run_autocast: Callable) -> Callable:
+    """``fn`` under autocast with a recipe that reads state: a keyword ``float8_state=``.
+
+    The state's history is traced as the first input of the jaxpr, which
+    ``run_autocast`` hands to the products (read only: the gradient step
+    returns it updated, ``jaxmp.mp_value_and_grad``).
+    """
+
+    @functools.wraps(fn)
+    def transformed(*args, float8_state=None, **kwargs):
+        state = spec.check(float8_state)
+        run = functools.partial(run_autocast, margin=state.margin)
+        return interpret.transform(lambda h, a, k: fn(*a, **k), run)(state.history, args, kwargs)
+
+    return transformed
+
+
+def init_float8_state(fn: Callable, *args: Any, window: int = 16, margin: int = 1,
+                      compute_dtype: Any = jnp.bfloat16, matmul_dtype: Any = jnp.float8_e4m3fn,
+                      float8_rules: Any = None, autocast_rules: Any = None, **kwargs: Any):
+    """The amax history of ``float8_scaling="delayed"`` for ``fn``, with nothing recorded yet.
+
+    Traces ``fn(*args, **kwargs)`` once (no computation) under :func:`jaxmp.autocast`
+    with these options, which must be those of the step, to count its float8
+    products: one row of history per product, for its left operand, right operand
+    and cotangent, ``window`` steps each (Transformer Engine's default, 16). Each
+    tensor's scale is then ``margin`` powers of two below what the largest amax of
+    its window needs. The first step, with nothing recorded, quantises with scale
+    1; the following ones from the history. Products inside loops (``lax.scan``)
+    have no row: they scale from their own amax.
+
+    Returns:
+        A ``Float8State`` (a pytree: ``history``, float32 ``[products, 3, window]``
+        of scale exponents), to pass as ``float8_state=`` to the function of
+        :func:`jaxmp.mp_value_and_grad` (``float8_scaling="delayed"``), which
+        returns it updated as a fifth value.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> import jaxmp
+        >>> def loss_fn(w, x):
+        ...     return jnp.mean(jnp.tanh(x @ w[0]) @ w[1])
+        >>> w, x = jnp.ones((2, 16, 16)) / 16, jnp.ones((8, 16))
+        >>> h = jaxmp.experimental.init_float8_state(loss_fn, w, x, window=4)
+        >>> h.history.shape  # two products, three tensors each, four steps
+        (2, 3, 4)
+        >>> step = jax.jit(jaxmp.mp_value_and_grad(
+        ...     loss_fn, matmul_dtype=jnp.float8_e4m3fn, float8_scaling="delayed"))
+        >>> loss, grads, s, finite, h = step(w, x, scaler_state=jaxmp.noop_scaler(),
+        ...                                  float8_state=h)
+        >>> h.history[0, :, 0].tolist()  # this step's scale exponents: x, w[0], cotangent
+        [-8.0, -12.0, -24.0]
+    """
+    casting.check_function(fn, "jaxmp.experimental.init_float8_state",
+                           "init_float8_state(loss_fn, *example_args, window=16)")
+    rules = {} if autocast_rules is None else {"rules": autocast_rules}
+    run = autocast(fn, compute_dtype, matmul_dtype=matmul_dtype, float8_rules=float8_rules,
+                   float8_scaling="delayed", **rules)
+    spec = float8.RECIPES["delayed"].state
+    probe = spec.empty(0, 1, margin)
+    with spec.session(None, margin) as counted:
+        jax.eval_shape(lambda a, k: run(*a, float8_state=probe, **k), args, kwargs)
+    return spec.empty(counted.count, window, margin)
 
 
 autocast.LOW_PRECISION = LOW_PRECISION

@@ -37,6 +37,8 @@ from jaxmp._src import casting
 from jaxmp._src import compat
 from jaxmp._src import float8
 from jaxmp._src import interpret
+from jaxmp._src import messages
+from jaxmp._src import source
 from jaxmp._src.autocast import rules as rules_lib
 
 # Reductions: their results are statistics of a tensor (see ``Autocast``).
@@ -117,7 +119,9 @@ class Autocast(interpret.Interpreter):
                  float8_rules: float8.Float8Rules = float8.Float8Rules(),
                  shifted: frozenset = frozenset(), narrow_early: frozenset = frozenset(),
                  float8_recipe: float8.Recipe | None = None, broadcast: dict | None = None):
-        super().__init__({**interpret.HANDLERS, "scan": _scan})
+        super().__init__({**interpret.HANDLERS, "scan": _in_loop(_scan),
+                          "while": _in_loop(interpret.HANDLERS["while"])})
+        self.loop_depth = 0  # how many loops (scan, while) the equation being evaluated is in
         self.compute_dtype = compute_dtype
         self.rules = rules
         self.keep = keep
@@ -240,6 +244,23 @@ class Autocast(interpret.Interpreter):
             kind = "bounded"  # exp(x - max(x)) lies in [0, 1]: computed like a bounded function
         return _RULES[kind](self, eqn, invals, kinds, floats, in_avals)
 
+    def _recipe(self, eqn) -> float8.Recipe | None:
+        """The recipe of a float8 product: a recipe with state (``"delayed"``, one history row
+        per product) runs its products inside loops with ``"tensor"`` scaling, said once: one
+        row cannot hold a loop's many iterations."""
+        recipe = self.float8_recipe
+        if recipe is None or recipe.state is None or not self.loop_depth:
+            return recipe
+        messages.warn_once(
+            ("stateful recipe in a loop", recipe.name, source.location_key(eqn, ())),
+            f"jaxmp: float8_scaling={recipe.name!r} keeps one amax history per float8 "
+            "product, and this product runs inside a loop (lax.scan, nn.scan, while_loop): "
+            "its scales come from the tensors themselves (the 'tensor' recipe) instead.\n"
+            "  Fix: none needed; to scale it from a history, unroll the loop (a Python loop "
+            "over layers) or use float8_scaling='tensor' for the whole function.",
+            UserWarning)
+        return float8.RECIPES[float8.DEFAULT_RECIPE]
+
     def _low_precision(self, eqn, invals, kinds, floats, in_avals):
         """A matrix product or convolution: in the compute dtype, or scaled to float8."""
         del kinds, in_avals
@@ -252,7 +273,7 @@ class Autocast(interpret.Interpreter):
             if float8.placement(eqn, scope, self.rules.low_precision, self.float8_rules) is None:
                 # Float8 operands scaled from their own amax, float32 accumulation.
                 return [float8.scaled_product(eqn, invals, self.compute_dtype,
-                                              self.matmul_dtype, self.float8_recipe)], [_PLAIN]
+                                              self.matmul_dtype, self._recipe(eqn))], [_PLAIN]
         cast = list(invals)
         for i in floats:
             cast[i] = self.cast(cast[i], self.compute_dtype)
@@ -450,6 +471,19 @@ def _scan(interp: Autocast, eqn, invals):
     carry, ys = lax.scan(step, _carried(init, dtypes, carry_avals), list(xs), length=p.length,
                          reverse=p.reverse, unroll=p.unroll, _split_transpose=p.split_transpose)
     return [*carry, *ys]
+
+
+def _in_loop(handler):
+    """``handler`` of a loop primitive, with the interpreter's ``loop_depth`` raised inside."""
+
+    def run(interp: Autocast, eqn, invals):
+        interp.loop_depth += 1
+        try:
+            return handler(interp, eqn, invals)
+        finally:
+            interp.loop_depth -= 1
+
+    return run
 
 
 def _wider(dtype, narrow) -> bool:

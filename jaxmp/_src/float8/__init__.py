@@ -38,6 +38,7 @@ the rest of jaxmp uses, so callers write ``float8.placement`` and
 from jaxmp._src.float8.mxfp8 import mx_quantize
 from jaxmp._src.float8.nvfp4 import NVFP4
 from jaxmp._src.float8.recipe import Recipe
+from jaxmp._src.float8.recipe import StateSpec
 from jaxmp._src.float8.rules import FLOAT8_PRIMITIVES
 from jaxmp._src.float8.rules import Float8Rules
 from jaxmp._src.float8.rules import Product

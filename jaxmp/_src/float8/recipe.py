@@ -11,6 +11,27 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 
 
+class StateSpec(NamedTuple):
+    """The state a recipe carries from one step to the next, and how autocast hands it out.
+
+    Attributes:
+        type: the state's pytree class (``delayed.Float8State``).
+        check: ``check(value)``: the state a user passed, checked (an error saying the fix).
+        session: ``session(history, margin)``: a context in which the recipe's products
+            read their rows of ``history`` (``None``: count the products); yields an
+            object whose ``count`` is the number of products traced.
+        empty: ``empty(products, window, margin)``: the state with nothing recorded.
+        update: ``update(state, grad)``: the state after a step, from the gradient of the
+            loss with respect to the state (which the recipe's backward pass fills).
+    """
+
+    type: type
+    check: Callable
+    session: Callable
+    empty: Callable
+    update: Callable
+
+
 class Recipe(NamedTuple):
     """One way of scaling the float8 products of ``autocast``: a row of :data:`RECIPES`.
 
@@ -34,9 +55,9 @@ class Recipe(NamedTuple):
             ``"mxfp8"``); asked of a recipe with a ``fallback`` only, ``None``
             for one that runs everywhere.
         state: what it carries from one step to the next: ``None`` for every
-            recipe so far, whose scales come from the tensors themselves, in
-            the step that uses them (current scaling). A delayed-scaling
-            recipe's amax history is the first state.
+            recipe but ``"delayed"``, whose scales come from the tensors
+            themselves, in the step that uses them (current scaling); for
+            ``"delayed"``, a :class:`StateSpec` of its amax history.
         rules: the :class:`rules.Float8Rules` autocast uses when it is given no
             ``float8_rules`` (``None``: ``Float8Rules()``, every product);
             autocast says once which products they keep.

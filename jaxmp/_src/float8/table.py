@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxmp._src import compat
 from jaxmp._src import interpret
+from jaxmp._src.float8 import delayed
 from jaxmp._src.float8 import mxfp8
 from jaxmp._src.float8 import nvfp4
 from jaxmp._src.float8 import tensor
@@ -26,7 +27,8 @@ from jaxmp._src.float8.target import compile_target
 
 
 #: The float8 scaling recipes, by ``float8_scaling`` name: one row each, from its module.
-RECIPES = {row.name: row for row in (tensor.RECIPE, mxfp8.RECIPE, nvfp4.RECIPE)}
+RECIPES = {row.name: row for row in (tensor.RECIPE, mxfp8.RECIPE, delayed.RECIPE,
+                                         nvfp4.RECIPE)}
 #: The recipe used when none is named.
 DEFAULT_RECIPE = "tensor"
 
