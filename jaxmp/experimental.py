@@ -17,12 +17,14 @@ Examples:
     'LowPrecisionState'
 """
 
+from jaxmp._src.shortfall import Float8PlacementWarning
 from jaxmp._src.shortfall import Float8ShortfallWarning
 from jaxmp._src.float8 import Float8Rules
 from jaxmp._src.low_precision import low_precision_optimizer
 from jaxmp._src.low_precision import LowPrecisionState
 
 __all__ = (
+    "Float8PlacementWarning",
     "Float8Rules",
     "Float8ShortfallWarning",
     "low_precision_optimizer",

@@ -35,6 +35,7 @@ from jaxmp._src import census
 from jaxmp._src import compat
 from jaxmp._src import float8
 from jaxmp._src import interpret
+from jaxmp._src import jaxprs
 from jaxmp._src import shortfall
 from jaxmp._src.autocast import analysis
 from jaxmp._src.autocast import interpreter as interpreter_lib
@@ -251,10 +252,13 @@ def autocast(
     recompute = recompute_float32 and casting.is_narrow_dtype(compute_dtype)
 
     def run_autocast(closed, dyn):
+        from_inputs = None
         if matmul_dtype is not None:  # says, once, which products cannot run in float8
+            from_inputs = jaxprs.read_from_inputs(closed.jaxpr)
             shortfall.warn_if_float8_shortfall(closed, rules, float8_rules, compute_dtype,
                                                matmul_dtype, float8_recipe,
-                                               [census.is_differentiated(x) for x in dyn])
+                                               [census.is_differentiated(x) for x in dyn],
+                                               from_inputs)
         out_avals = closed.out_avals
         keep = analysis.narrow_safe(closed, rules)
         # Under float8 the products quantize their operands from float32: a collective
@@ -263,7 +267,7 @@ def autocast(
         interpreter = interpreter_lib.Autocast(compute_dtype, rules, keep, matmul_dtype,
                                                float8_rules, analysis.shifted_exps(closed, keep),
                                                early, float8_recipe,
-                                               analysis.broadcast_sizes(closed))
+                                               analysis.broadcast_sizes(closed), from_inputs)
         consts = list(closed.consts)
 
         def run(*flat):
