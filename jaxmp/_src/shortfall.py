@@ -359,7 +359,8 @@ def _say_kept_by_cost(closed_jaxpr, rules: Any, float8_rules: Any, compute_dtype
         f"products in {np.dtype(compute_dtype).name}, where float8 costs more than it saves "
         "on the GPU (the program XLA compiles for an H100):\n" + "\n".join(lines) + "\n"
         "  Fix: none needed; to run them in float8 anyway, float8_rules="
-        f"jaxmp.experimental.Float8Rules(include={set(sorted(kept))!r}).",
+        "jaxmp.experimental.Float8Rules(include={"
+        + ", ".join(map(repr, sorted(kept))) + "}).",
         Float8PlacementWarning)
 
 

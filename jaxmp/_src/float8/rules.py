@@ -239,7 +239,7 @@ class Float8Rules:
         if self.keep_if is not None:
             parts.append(f"keep_if={getattr(self.keep_if, '__name__', self.keep_if)!r}")
         if self.include:
-            parts.append(f"include={set(sorted(self.include))!r}")
+            parts.append("include={" + ", ".join(map(repr, sorted(self.include))) + "}")
         if self.min_flops_per_element:
             parts.append(f"min_flops_per_element={self.min_flops_per_element}")
         return f"Float8Rules({', '.join(parts)})"
