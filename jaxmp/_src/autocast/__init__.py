@@ -168,16 +168,19 @@ def autocast(
         matmul_dtype: ``None`` (default): matrix products in
             ``compute_dtype``. ``jnp.float8_e4m3fn`` (or ``jnp.float8_e5m2``):
             every ``low_precision`` product that ``float8_rules`` selects
-            runs with float8 operands, each scaled per tensor from its
+            (by default all but an attention's ``q @ k.T`` and ``probs @ v``
+            and convolutions, where float8 does not pay: said once by a
+            :class:`jaxmp.experimental.Float8PlacementWarning`) runs with float8 operands, each scaled per tensor from its
             current absolute maximum, accumulating in float32, its result in
             ``compute_dtype``; its backward products take the cotangent in
-            ``float8_e5m2``. A convolution runs its forward product and, with
-            unit strides, its input gradient in float8, the rest in
+            ``float8_e5m2``. A convolution asked for in float8 runs its forward
+            product and, with unit strides, its input gradient in float8, the rest in
             ``compute_dtype`` (XLA's GPU compiler runs only forward
             convolutions in float8). See ``docs/float8.md``.
         float8_rules: a :class:`jaxmp.experimental.Float8Rules`: which products stay in
             ``compute_dtype`` under a float8 ``matmul_dtype`` (default
-            ``jaxmp.experimental.Float8Rules()``: none).
+            ``jaxmp.experimental.Float8Rules()``: those float8 does not pay
+            for; ``include=`` asks for them).
         float8_scaling: how the float8 products are scaled. ``"tensor"``
             (default): one power-of-two scale per operand, as above.
             ``"mxfp8"`` (OCP MX v1.0, for GPUs with block-scaled float8, such
