@@ -384,7 +384,8 @@ def test_convolution_forward_in_float8():
 
     assert _operand_dtypes(_f8(fn, float8_rules=CONV8), w, x, prim="conv_general_dilated") == [
         ("float8_e4m3fn", "float8_e4m3fn")]
-    np.testing.assert_allclose(jax.jit(_f8(fn, jnp.float32, float8_rules=CONV8))(w, x), fn(w, x), rtol=0.05)
+    np.testing.assert_allclose(jax.jit(_f8(fn, jnp.float32, float8_rules=CONV8))(w, x),
+                               fn(w, x), rtol=0.05)
     got, ref = jax.jit(jax.grad(_f8(fn, jnp.float32, float8_rules=CONV8)))(w, x), jax.grad(fn)(w, x)
     assert rel(got, ref) < 0.1
     no_conv = jaxmp.experimental.Float8Rules(primitives={"dot_general"})

@@ -170,7 +170,8 @@ def autocast(
             every ``low_precision`` product that ``float8_rules`` selects
             (by default all but an attention's ``q @ k.T`` and ``probs @ v``
             and convolutions, where float8 does not pay: said once by a
-            :class:`jaxmp.experimental.Float8PlacementWarning`) runs with float8 operands, each scaled per tensor from its
+            :class:`jaxmp.experimental.Float8PlacementWarning`) runs with float8
+            operands, each scaled per tensor from its
             current absolute maximum, accumulating in float32, its result in
             ``compute_dtype``; its backward products take the cotangent in
             ``float8_e5m2``. A convolution asked for in float8 runs its forward

@@ -2,9 +2,10 @@
 
 The bottom of the ``float8`` package, read by every recipe and by the census:
 the ``matmul_dtype`` values accepted (:func:`check_matmul_dtype`), the
-user's :class:`Float8Rules` over a :class:`Product`, the one placement
-decision (:func:`placement`) and which products of a convolution XLA's GPU
-compiler runs in float8 (:func:`conv_float8_products`). Nothing here says
+user's :class:`Float8Rules` over a :class:`Product`, the kinds of products
+float8 does not pay for, kept in the compute dtype by default (:data:`COSTLY`),
+the one placement decision (:func:`placement`) and which products of a
+convolution XLA's GPU compiler runs in float8 (:func:`conv_float8_products`). Nothing here says
 how a product is scaled: that is a recipe's (``tensor.py``, ``mxfp8.py``).
 """
 
