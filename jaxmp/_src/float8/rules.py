@@ -127,7 +127,7 @@ COSTLY = {
         lambda p: p.primitive == "conv_general_dilated",
         "convolutions: XLA's GPU compiler runs only their forward product (and a "
         "unit-stride input gradient) in float8 and widens the rest, so quantising costs more "
-        "than it saves (ResNet-50 on an H100: float8 1.20x the bfloat16 step)"),
+        "than it saves (ResNet-50 on an H100: float8 1.18x the bfloat16 step)"),
 }
 
 
