@@ -19,6 +19,7 @@ Examples:
     'LowPrecisionState'
 """
 
+from jaxmp._src.shortfall import Float8PlacementWarning
 from jaxmp._src.shortfall import Float8ShortfallWarning
 from jaxmp._src.autocast import init_float8_state
 from jaxmp._src.float8 import Float8Rules
@@ -28,6 +29,7 @@ from jaxmp._src.low_precision import low_precision_optimizer
 from jaxmp._src.low_precision import LowPrecisionState
 
 __all__ = (
+    "Float8PlacementWarning",
     "Float8Rules",
     "Float8State",
     "Float8ShortfallWarning",

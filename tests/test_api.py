@@ -65,11 +65,12 @@ DEBUG_ONLY = {
     "Product": gpu_program.Product,
 }
 # Names new in jaxmp.experimental, never at the top level (issue 41: delayed float8
-# scaling; issue 42: NVFP4).
+# scaling and placement; issue 42: NVFP4).
 EXPERIMENTAL_ONLY = {
     "NVFP4": float8.NVFP4,
     "Float8State": jaxmp.experimental.Float8State,
     "init_float8_state": jaxmp.experimental.init_float8_state,
+    "Float8PlacementWarning": shortfall.Float8PlacementWarning,
 }
 CAST_ALIASES = {
     "cast_to_float16": jnp.float16,

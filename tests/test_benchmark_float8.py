@@ -16,7 +16,10 @@ def test_quick_run_reports_float8_shares_memory_and_losses(tmp_path):
     assert saved["static"].keys() == {"vit_tiny"}
     for rows in saved["static"].values():
         f8, bf16 = rows["float8"], rows["bfloat16"]
-        assert f8["float8_share_forward"] >= 0.99 and f8["float8_share_backward"] >= 0.99
+        # Every product but the attention's q @ k.T and probs @ v, kept in bfloat16 by default
+        # (float8 does not pay for them); bfloat16 + float8: everything.
+        assert 0.7 < f8["float8_share_forward"] < 1 and 0.7 < f8["float8_share_backward"] < 1
+        assert f8["low_precision_share_step"] == 1.0
         assert bf16["float8_share_step"] == 0.0 and bf16["low_precision_share_step"] == 1.0
         # float8 residuals take one byte per element where bfloat16 takes two.
         assert f8["saved_activation_bytes"] < bf16["saved_activation_bytes"]
@@ -25,7 +28,7 @@ def test_quick_run_reports_float8_shares_memory_and_losses(tmp_path):
         assert 0.5 < head["float8_share_step"] < 1.0 and head["low_precision_share_step"] == 1.0
         mx = rows["mxfp8"]  # counted in the CUDA program: cuDNN's block-scaled dot
         assert mx["flops_platform"] == "cuda" == f8["flops_platform"]
-        assert mx["float8_share_forward"] == 1.0 and mx["float8_share_backward"] == 1.0
+        assert 0.7 < mx["float8_share_forward"] < 1 and 0.7 < mx["float8_share_backward"] < 1
         # One byte per element and one scale byte per 32.
         assert mx["saved_activation_bytes"] < bf16["saved_activation_bytes"]
     assert results["training"].keys() == {"vit_tiny_digits"}

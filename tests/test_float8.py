@@ -16,6 +16,8 @@ from jaxmp._src import jaxprs
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
 BF16 = jnp.bfloat16
+# Convolutions stay in the compute dtype by default (float8 does not pay for them): asked for.
+CONV8 = jaxmp.experimental.Float8Rules(include={"convolution"})
 
 
 def _operand_dtypes(fn, *args, prim="dot_general"):
@@ -380,14 +382,19 @@ def test_convolution_forward_in_float8():
                                          dimension_numbers=("NHWC", "HWIO", "NHWC"))
         return jnp.sum(jnp.tanh(y / 1e3) ** 2)
 
-    assert _operand_dtypes(_f8(fn), w, x, prim="conv_general_dilated") == [
+    assert _operand_dtypes(_f8(fn, float8_rules=CONV8), w, x, prim="conv_general_dilated") == [
         ("float8_e4m3fn", "float8_e4m3fn")]
-    np.testing.assert_allclose(jax.jit(_f8(fn, jnp.float32))(w, x), fn(w, x), rtol=0.05)
-    got, ref = jax.jit(jax.grad(_f8(fn, jnp.float32)))(w, x), jax.grad(fn)(w, x)
+    np.testing.assert_allclose(jax.jit(_f8(fn, jnp.float32, float8_rules=CONV8))(w, x),
+                               fn(w, x), rtol=0.05)
+    got, ref = jax.jit(jax.grad(_f8(fn, jnp.float32, float8_rules=CONV8)))(w, x), jax.grad(fn)(w, x)
     assert rel(got, ref) < 0.1
     no_conv = jaxmp.experimental.Float8Rules(primitives={"dot_general"})
     assert _operand_dtypes(_f8(fn, float8_rules=no_conv), w, x, prim="conv_general_dilated") == [
         ("bfloat16", "bfloat16")]
+    # by default too: float8 does not pay for convolutions (float8.COSTLY), said once
+    with pytest.warns(jaxmp.experimental.Float8PlacementWarning, match="include={'convolution'}"):
+        assert _operand_dtypes(_f8(fn), w, x, prim="conv_general_dilated") == [
+            ("bfloat16", "bfloat16")]
 
 
 _CONVS = {
@@ -449,7 +456,7 @@ def test_convolution_products_run_where_xla_runs_them_in_float8(name):
     def fn(x, w):
         return jnp.sum(conv(x, w) * c)
 
-    grad = jax.grad(_f8(fn, jnp.float32), argnums=(0, 1))
+    grad = jax.grad(_f8(fn, jnp.float32, float8_rules=CONV8), argnums=(0, 1))
     transposed = any(d != 1 for d in kw.get("lhs_dilation", (1,)))
     float8_input_gradient = (not transposed and all(s == 1 for s in kw["window_strides"])
                              and kw.get("batch_group_count", 1) == 1)
@@ -499,11 +506,11 @@ def test_convolution_backward_under_vmap_and_half_compute():
     def fn(w, x):
         return jnp.sum(jnp.tanh(jax.lax.conv_general_dilated(x, w, **kw)) ** 2)
 
-    per_example = jax.vmap(jax.grad(_f8(fn)), in_axes=(None, 0))
+    per_example = jax.vmap(jax.grad(_f8(fn, float8_rules=CONV8)), in_axes=(None, 0))
     # the forward product in float8, the kernel gradient in bfloat16 (no input gradient is
     # asked for)
     assert jaxmp.debug.float8_matmul_flop_share(per_example, w, xs) == 0.5
-    both = jax.vmap(jax.grad(_f8(fn), argnums=(0, 1)), in_axes=(None, 0))
+    both = jax.vmap(jax.grad(_f8(fn, float8_rules=CONV8), argnums=(0, 1)), in_axes=(None, 0))
     assert jaxmp.debug.float8_matmul_flop_share(both, w, xs) == pytest.approx(2 / 3)
     assert jaxmp.debug.half_matmul_flop_share(per_example, w, xs) == 1.0
     got = jax.jit(per_example)(w, xs)
@@ -559,6 +566,132 @@ def test_predicate_sees_the_product():
     assert dtypes == [("float8_e4m3fn", "float8_e4m3fn"), ("bfloat16", "bfloat16")]
     assert seen[0].primitive == "dot_general" and seen[0].flops == 2 * 32 * 128 * 64
     assert seen[1].scope == "head" and seen[1].lhs_shape == (32, 4)
+
+
+# --- Placement by cost: what float8 does not pay for stays in compute_dtype --------------------
+
+
+def _attention_block():
+    """A Flax linen self-attention block (4 projections, scores and weighted values) and its
+    parameters, as users write it."""
+    import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+    block = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16, out_features=16)
+    x = jax.random.normal(jax.random.key(3), (2, 8, 16))
+    params = block.init(jax.random.key(4), x)
+
+    def loss(params, x):
+        return jnp.mean(block.apply(params, x) ** 2)
+
+    return loss, params, x
+
+
+def _batched(dtypes_and_shapes):
+    return [d for d, batched in dtypes_and_shapes if batched]
+
+
+def _product_dtypes(fn, *args):
+    """``(lhs dtype, whether the product has batch dimensions)`` of every ``dot_general``."""
+    from jaxmp._src import compat  # pylint: disable=g-import-not-at-top
+    return [(str(eqn.invars[0].aval.dtype), bool(compat.dimension_numbers(eqn)[1][0]))
+            for eqn, _, _ in jaxprs.walk(jax.make_jaxpr(fn)(*args).jaxpr)
+            if eqn.primitive.name == "dot_general"]
+
+
+def test_attention_scores_and_probabilities_stay_in_compute_dtype(recwarn):
+    """The projections (a weight read from the parameters) run in float8; q @ k.T and
+    probs @ v (two activations, batch dimensions) in bfloat16, forward and backward; the
+    gradient stays close to float32's."""
+    loss, params, x = _attention_block()
+    forward = _product_dtypes(_f8(loss), params, x)
+    assert [d for d, b in forward if not b] == ["float8_e4m3fn"] * 4  # q, k, v, out
+    assert _batched(forward) == ["bfloat16"] * 2  # scores, weighted values
+    backward = _product_dtypes(jax.grad(_f8(loss)), params, x)
+    assert set(_batched(backward)) == {"bfloat16"} and len(_batched(backward)) == 6
+    got = jax.jit(jax.grad(_f8(loss, jnp.float32)))(params, x)
+    ref = jax.grad(loss)(params, x)
+    flat = lambda tree: jnp.concatenate([a.ravel() for a in jax.tree_util.tree_leaves(tree)])
+    assert rel(flat(got), flat(ref)) < 0.15  # float8 projections: 3 mantissa bits
+    assert not [w for w in recwarn if w.category is jaxmp.experimental.Float8ShortfallWarning]
+
+
+def test_kept_products_are_said_once_with_the_fix():
+    import warnings  # pylint: disable=g-import-not-at-top
+    loss, params, x = _attention_block()
+    f8 = _f8(loss)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.make_jaxpr(jax.grad(f8))(params, x)
+        jax.make_jaxpr(jax.grad(f8))(params, x)  # traced again: not said again
+    said = [w for w in caught if w.category is jaxmp.experimental.Float8PlacementWarning]
+    assert len(said) == 1
+    text = str(said[0].message)
+    assert "2 attention products" in text and "test_float8.py" in text
+    assert "Float8Rules(include={'attention'})" in text
+    assert not [w for w in caught if w.category is jaxmp.experimental.Float8ShortfallWarning]
+
+
+def test_include_asks_for_attention_products_in_float8():
+    import warnings  # pylint: disable=g-import-not-at-top
+    loss, params, x = _attention_block()
+    rules = jaxmp.experimental.Float8Rules(include={"attention"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxmp.experimental.Float8PlacementWarning)
+        forward = _product_dtypes(_f8(loss, float8_rules=rules), params, x)
+    assert [d for d, _ in forward] == ["float8_e4m3fn"] * 6
+
+
+def test_kept_products_count_in_the_share_and_are_no_shortfall():
+    """The census counts the kept products outside float8 (the share of what runs in float8)
+    and says no shortfall for them."""
+    import warnings  # pylint: disable=g-import-not-at-top
+    loss, params, x = _attention_block()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxmp.experimental.Float8ShortfallWarning)
+        warnings.simplefilter("ignore", jaxmp.experimental.Float8PlacementWarning)
+        share = jaxmp.debug.float8_matmul_flop_share(jax.grad(_f8(loss)), params, x)
+        everything = jaxmp.experimental.Float8Rules(include={"attention"})
+        share_all = jaxmp.debug.float8_matmul_flop_share(
+            jax.grad(_f8(loss, float8_rules=everything)), params, x)
+    # 4 projections of 2 * 16 * 16 * 16 FLOPs (q, k, v: forward and weight gradient, x is not
+    # differentiated; out: three products), 2 attention products of 2 * 2 * 2 * 8 * 8 * 8
+    # (three each)
+    projections, attention = 9 * 2 * 16 * 16 * 16, 6 * 2 * 2 * 2 * 8 * 8 * 8
+    assert share == projections / (projections + attention) == 0.75
+    assert share_all == 1.0
+
+
+def test_stacked_weights_of_a_scan_are_read_from_the_inputs():
+    """Under ``lax.scan`` over stacked weights, the sliced weight is still a parameter (its
+    product in float8) and the carry an activation (its product with a computed activation,
+    batched, in the compute dtype)."""
+    def loss(ws, x):
+        def layer(h, w):
+            q = h @ w
+            return h + jnp.einsum("bij,bkj->bik", q, h) @ h * 1e-2, None
+        return jnp.sum(jax.lax.scan(layer, x, ws)[0])
+
+    ws, x = jnp.ones((2, 8, 8)) / 8, jnp.ones((2, 4, 8))
+    import warnings  # pylint: disable=g-import-not-at-top
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jaxmp.experimental.Float8PlacementWarning)
+        dtypes = _product_dtypes(_f8(loss), ws, x)
+    assert dtypes == [("float8_e4m3fn", False), ("bfloat16", True), ("bfloat16", True)]
+
+
+def test_min_flops_per_element_keeps_products_with_few_flops_per_quantised_element():
+    # x @ w: 2 * 32 * 128 * 64 FLOPs over 32 * 128 + 128 * 64 + 32 * 64 elements (~37);
+    # h[:, :4] @ v: 2 * 32 * 4 * 3 over 128 + 12 + 96 (~3)
+    rules = jaxmp.experimental.Float8Rules(min_flops_per_element=10)
+    dtypes = _operand_dtypes(_f8(_two_products, float8_rules=rules), *_two_args())
+    assert dtypes == [("float8_e4m3fn", "float8_e4m3fn"), ("bfloat16", "bfloat16")]
+    seen = []
+    jax.make_jaxpr(_f8(_two_products, float8_rules=jaxmp.experimental.Float8Rules(
+        keep_if=seen.append)))(*_two_args())
+    assert seen[0].flops_per_element == pytest.approx(
+        2 * 32 * 128 * 64 / (32 * 128 + 128 * 64 + 32 * 64))
+    assert seen[0].from_inputs == (True, True) and seen[0].batch_dims == 0
+    assert seen[1].from_inputs == (False, True)  # h is computed, v a parameter
 
 
 # --- find_nonfinite ---------------------------------------------------------------------------------
@@ -620,11 +753,18 @@ def test_bad_float8_rules():
         jaxmp.experimental.Float8Rules(min_flops=-1)
     with pytest.raises(TypeError, match="keep_if"):
         jaxmp.experimental.Float8Rules(keep_if="head")
+    with pytest.raises(ValueError, match="kept by default are .'attention', 'convolution'."):
+        jaxmp.experimental.Float8Rules(include={"softmax"})
+    with pytest.raises(TypeError, match="min_flops_per_element"):
+        jaxmp.experimental.Float8Rules(min_flops_per_element=0.5)
     with pytest.raises(TypeError, match="float8_rules must be"):
         jaxmp.autocast(matmul, BF16, matmul_dtype=E4M3, float8_rules={"min_flops": 1})
 
 
 def test_rules_repr():
     assert repr(jaxmp.experimental.Float8Rules()) == "Float8Rules()"
+    assert repr(jaxmp.experimental.Float8Rules(include={"convolution", "attention"},
+                                               min_flops_per_element=1000)) == (
+        "Float8Rules(include={'attention', 'convolution'}, min_flops_per_element=1000)")
     assert repr(jaxmp.experimental.Float8Rules(min_flops=8, keep_scopes={"head"})) == (
         "Float8Rules(min_flops=8, keep_scopes={'head'})")

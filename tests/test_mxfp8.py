@@ -334,14 +334,15 @@ def test_padding_and_per_tensor_convolutions_are_reported():
     k, images = jnp.ones((4, 3, 3, 3)), jnp.ones((2, 3, 8, 8))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        jax.eval_shape(_mx_fn(fn, jnp.bfloat16), w, k, x, images)
+        jax.eval_shape(_mx_fn(fn, jnp.bfloat16, float8_rules=jaxmp.experimental.Float8Rules(
+            include={"convolution"})), w, k, x, images)  # float8 convolutions, asked for
     said = [str(c.message) for c in caught
             if c.category is jaxmp.experimental.Float8ShortfallWarning]
     assert len(said) == 2, said  # no backward products are computed: nothing more to say
     assert any("contracts 40 elements, padded to 64" in m and "forward product" in m
                for m in said), said
     assert any("one scale per tensor" in m and "conv_general_dilated" in m for m in said), said
-    # Keeping convolutions out of float8 on purpose silences the second.
+    # Keeping convolutions out of float8 on purpose (or by default) silences the second.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         jax.eval_shape(_mx_fn(fn, jnp.bfloat16,

@@ -133,12 +133,14 @@ def test_float8_products_kept_by_the_rules_are_reported_as_kept():
     assert {(w.layer, w.phase, w.dtype, w.reason) for w in report.wider} == {
         ("_Net/head/out", "forward", "bfloat16", "kept"),
         ("_Net/head/out", "backward", "bfloat16", "kept"),
-        # the convolution's kernel gradient: XLA runs only forward convolutions in float8
-        ("_Net/stem", "backward", "bfloat16", "conv_backward")}
+        # the convolution, kept by default: float8 does not pay for it (float8.COSTLY)
+        ("_Net/stem", "forward", "bfloat16", "kept"),
+        ("_Net/stem", "backward", "bfloat16", "kept")}
     rows = {(r.layer, r.phase): r.flops for r in report.layers}
     assert set(rows["_Net/wide", "forward"]) == {"float8_e4m3fn"}
     assert set(rows["_Net/wide", "backward"]) == {"float8_e4m3fn+float8_e5m2"}
     assert "it runs in bfloat16: your jaxmp.experimental.Float8Rules keep it there" in str(report)
+    assert "a convolution: kept by default" in str(report)
 
 
 def test_a_primitive_left_out_of_the_autocast_rules():

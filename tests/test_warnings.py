@@ -187,7 +187,8 @@ def test_float8_shortfall_says_a_convolution_runs_its_kernel_gradient_in_the_com
 
     params = {"k": jnp.ones((3, 3, 2, 4)) * 0.1, "k2": jnp.ones((3, 3, 4, 4)) * 0.1}
     img = jnp.ones((2, 8, 8, 2))
-    f8 = jaxmp.autocast(loss_fn, jnp.bfloat16, matmul_dtype=F8)
+    f8 = jaxmp.autocast(loss_fn, jnp.bfloat16, matmul_dtype=F8,  # float8 convolutions, asked for
+                        float8_rules=jaxmp.experimental.Float8Rules(include={"convolution"}))
     with pytest.warns(jaxmp.experimental.Float8ShortfallWarning) as record:
         jax.eval_shape(jax.grad(f8), params, img)
     assert len(record) == 1

@@ -143,6 +143,71 @@ def call_aliases(jaxpr) -> dict:
     return same
 
 
+#: Operations that pass a value on without computing new numbers from it: a parameter that
+#: only these reach a product through is still read from the function's inputs.
+_PASSING = compat.MOVEMENT | compat.RESHAPING | frozenset({"concatenate"})
+
+
+def read_from_inputs(jaxpr) -> dict:
+    """``{id(product eqn): (lhs, rhs)}``: whether each operand of every ``dot_general`` and
+    ``conv_general_dilated`` of ``jaxpr`` (nested ones included) is read from its inputs.
+
+    An operand is read from the inputs when it is an input (or constant) of
+    ``jaxpr``, followed only through operations that move, reshape, convert or
+    concatenate values (:data:`_PASSING`) and across nested calls, branches
+    and a ``scan``'s constants and sliced inputs (stacked weights): a
+    parameter, a batch, a cache the function is given. Anything else (the
+    result of a product, a softmax, a sum, a loop's carry) is an activation
+    the function computes.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> def f(w, x):
+        ...     h = x @ w.astype(jnp.bfloat16).T             # w read from the inputs
+        ...     return jnp.einsum("bij,bkj->bik", h, h * 2)  # two activations
+        >>> jaxpr = jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((2, 3, 4), jnp.bfloat16)).jaxpr
+        >>> sorted(read_from_inputs(jaxpr).values())
+        [(False, False), (True, True)]
+    """
+    found: dict = {}
+
+    def visit(inner, given) -> set:
+        plain = {v for v, p in zip(inner.invars, given) if p}
+        plain.update(getattr(inner, "constvars", ()))
+        is_plain = lambda v: not compat.is_literal(v) and v in plain
+        for eqn in inner.eqns:
+            name = eqn.primitive.name
+            if name in compat.PRODUCTS:
+                found[id(eqn)] = (is_plain(eqn.invars[0]), is_plain(eqn.invars[1]))
+            if name in _PASSING:
+                floats = [v for v in eqn.invars if not compat.is_literal(v)]
+                if floats and all(v in plain for v in floats[:1 if name != "concatenate"
+                                                              else None]):
+                    plain.update(eqn.outvars)
+                continue
+            for body, _ in sub_jaxprs(eqn):
+                ins = [is_plain(v) for v in eqn.invars]
+                if name == "scan":
+                    try:
+                        scan = compat.scan(eqn)
+                        first, n = scan.num_consts, scan.num_carry
+                        ins[first:first + n] = [False] * n  # a carry changes each iteration
+                    except compat.UnknownEquation:
+                        ins = []
+                elif name == "cond":
+                    ins = ins[1:]
+                if len(ins) != len(body.invars) or name == "while":
+                    ins = [False] * len(body.invars)
+                out = visit(body, ins)
+                if name in compat.CALLS and len(body.outvars) == len(eqn.outvars):
+                    plain.update(o for o, b in zip(eqn.outvars, body.outvars)
+                                 if not compat.is_literal(b) and b in out)
+        return plain
+
+    visit(jaxpr, [True] * len(jaxpr.invars))
+    return found
+
+
 def _width(v) -> int:
     """The bytes of ``v``'s floating-point dtype (0 for any other)."""
     dtype = v.aval.dtype

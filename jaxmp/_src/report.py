@@ -38,9 +38,11 @@ from jaxmp._src import source
 _REASONS = {
     "kept": shortfall.Why(
         "it runs in {compute}: your jaxmp.experimental.Float8Rules keep it there (a named scope in "
-        "keep_scopes, min_flops or keep_if), or it is outside the function autocast runs "
-        "with matmul_dtype",
-        "drop it from the rules to run it in float8"),
+        "keep_scopes, min_flops or keep_if), or float8 does not pay for it (an attention's "
+        "q @ k.T or probs @ v, a convolution: kept by default), or it is outside the function "
+        "autocast runs with matmul_dtype",
+        "drop it from the rules, or name its kind in Float8Rules(include=...), to run it in "
+        "float8"),
     "operand": shortfall.Why(
         "its operands are {dtypes}: only floating-point products run in a lower precision",
         "convert that operand to a floating-point dtype in your code"),

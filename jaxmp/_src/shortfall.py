@@ -26,6 +26,7 @@ from jaxmp._src import casting
 from jaxmp._src import census
 from jaxmp._src import compat
 from jaxmp._src import float8
+from jaxmp._src import jaxprs
 from jaxmp._src import messages
 from jaxmp._src import source
 
@@ -73,6 +74,34 @@ class Float8ShortfallWarning(UserWarning):
         >>> caught[0].category is jaxmp.experimental.Float8ShortfallWarning
         True
         >>> "custom_vjp" in str(caught[0].message)
+        True
+    """
+
+
+class Float8PlacementWarning(UserWarning):
+    """Says which matrix products a float8 step keeps in the compute dtype, since float8 does
+    not pay for them.
+
+    Issued once while :func:`jaxmp.autocast` traces a function with a float8
+    ``matmul_dtype``, when it keeps products of a kind float8 costs more than
+    it saves for on the GPU (:class:`jaxmp.experimental.Float8Rules`: an
+    attention's ``q @ k.T`` and ``probs @ v``, convolutions), with their share
+    of the FLOPs and where the first of each kind is. These are no shortfall:
+    ``Float8Rules(include={"attention"})`` asks for them in float8.
+
+    Examples:
+        >>> import warnings
+        >>> import jax, jax.numpy as jnp
+        >>> import jaxmp
+        >>> def attend(q, k):  # q @ k.T of two activations: kept in bfloat16
+        ...     return jnp.einsum("bqd,bkd->bqk", jnp.tanh(q), jnp.tanh(k)).sum()
+        >>> f8 = jaxmp.autocast(attend, jnp.bfloat16, matmul_dtype=jnp.float8_e4m3fn)
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     _ = jax.grad(f8)(jnp.ones((2, 8, 16)), jnp.ones((2, 8, 16)))
+        >>> caught[0].category is jaxmp.experimental.Float8PlacementWarning
+        True
+        >>> "include={'attention'}" in str(caught[0].message)
         True
     """
 
@@ -132,22 +161,26 @@ class _Placed(NamedTuple):
     why: str | None  # a key of ``WIDER``; None: float8, or kept by the user's Float8Rules
 
 
-def _place(eqn, enclosing: tuple, rules: Any, float8_rules: Any) -> _Placed:
+def _place(eqn, enclosing: tuple, rules: Any, float8_rules: Any,
+           from_inputs: dict | None = None) -> _Placed:
     """Where autocast runs the product ``eqn`` under a float8 ``matmul_dtype``.
 
-    Autocast's own decision (:func:`float8.placement`), plus what the census
-    sees and autocast does not decide: a product inside a function with its
-    own derivative rule runs its backward as that rule is written.
+    Autocast's own decision (:func:`float8.placement`, with which operands are
+    read from the inputs: ``from_inputs``, :func:`jaxprs.read_from_inputs`),
+    plus what the census sees and autocast does not decide: a product inside a
+    function with its own derivative rule runs its backward as that rule is
+    written. A product float8 does not pay for (``float8.COSTLY``) is placed in
+    the compute dtype like one the user's rules keep: no shortfall.
     """
     scopes = [compat.name_stack(e) for e in (*enclosing, eqn)]
     why = float8.placement(eqn, "/".join(s for s in scopes if s), rules.low_precision,
-                           float8_rules)
+                           float8_rules, (from_inputs or {}).get(id(eqn), (True, True)))
     if why == "float8_operand":  # written in float8 by the user: fine if both operands are
         floats = [v.aval.dtype for v in eqn.invars[:2] if casting.is_float_dtype(v.aval.dtype)]
         both = len(floats) == 2 and all(float8.is_float8_dtype(d) for d in floats)
         return _Placed(both, both, None if both else why)
-    if why == "kept":
-        return _Placed(False, False, None)  # the user's Float8Rules keep it
+    if why == "kept" or why in float8.COSTLY:
+        return _Placed(False, False, None)  # the user's Float8Rules keep it, or its cost
     if why is not None:
         return _Placed(False, False, why)
     if any(e.primitive.name in compat.CUSTOM_RULES for e in enclosing):
@@ -204,7 +237,7 @@ def _phases(eqn, diff: dict, placed: _Placed) -> list[str]:
 
 
 def _warn_if_unblocked(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any,
-                       diff: dict) -> bool:
+                       diff: dict, from_inputs: dict) -> bool:
     """Warns when products of a block-scaled ``recipe`` are padded or run with one scale per tensor.
 
     A contracting dimension that is not a multiple of ``recipe.block`` is
@@ -218,7 +251,7 @@ def _warn_if_unblocked(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any,
     total = padding = per_tensor = 0
     first_padded = first_tensor = None
     for eqn, flops, enclosing in census.census(closed_jaxpr.jaxpr):
-        placed = _place(eqn, enclosing, rules, float8_rules)
+        placed = _place(eqn, enclosing, rules, float8_rules, from_inputs)
         if not placed.forward or any(
                 float8.is_float8_dtype(v.aval.dtype) for v in eqn.invars[:2]):
             continue  # not a product autocast scales (a float8 product written as such)
@@ -269,14 +302,15 @@ def _warn_if_unblocked(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any,
     return warned
 
 
-def _warn_if_fallback(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any) -> bool:
+def _warn_if_fallback(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any,
+                      from_inputs: dict) -> bool:
     """Warns when a block-scaled ``recipe`` runs its fallback: the target (from the first
     product autocast scales, :func:`float8.recipe_for`) has no block-scaled GEMMs."""
     if recipe.fallback is None:
         return False
     for eqn, _, enclosing in census.census(closed_jaxpr.jaxpr):
         if eqn.primitive.name not in recipe.blocked or not _place(
-                eqn, enclosing, rules, float8_rules).forward:
+                eqn, enclosing, rules, float8_rules, from_inputs).forward:
             continue
         runs, target = float8.recipe_for(recipe, [v.aval for v in eqn.invars])
         if runs is recipe:
@@ -297,7 +331,8 @@ def _warn_if_fallback(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any) 
     return False
 
 
-def _warn_if_recipe_keeps(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any) -> bool:
+def _warn_if_recipe_keeps(closed_jaxpr, rules: Any, float8_rules: Any, recipe: Any,
+                          from_inputs: dict) -> bool:
     """Says once which products a recipe's own rules (``recipe.rules``, used when autocast is
     given no ``float8_rules``: NVFP4 keeps its output head) keep in the compute dtype."""
     if recipe.rules is None or float8_rules is not recipe.rules:
@@ -306,7 +341,8 @@ def _warn_if_recipe_keeps(closed_jaxpr, rules: Any, float8_rules: Any, recipe: A
     for eqn, flops, enclosing in census.census(closed_jaxpr.jaxpr):
         scope = "/".join(s for s in (compat.name_stack(e) for e in (*enclosing, eqn)) if s)
         total += flops
-        if float8.placement(eqn, scope, rules.low_precision, float8_rules) == "kept":
+        if float8.placement(eqn, scope, rules.low_precision, float8_rules,
+                            from_inputs.get(id(eqn), (True, True))) == "kept":
             kept += flops
             first = first or (eqn, enclosing)
     if first is None:
@@ -325,9 +361,44 @@ def _warn_if_recipe_keeps(closed_jaxpr, rules: Any, float8_rules: Any, recipe: A
         Float8ShortfallWarning)
 
 
+def _say_kept_by_cost(closed_jaxpr, rules: Any, float8_rules: Any, compute_dtype: Any,
+                      matmul_dtype: Any, diff: dict, from_inputs: dict) -> bool:
+    """Says, once, which products autocast keeps in the compute dtype because float8 does not
+    pay for them (``float8.COSTLY``), their share of the FLOPs, the first of each kind by the
+    user's file and line, and how to ask for them in float8 (``Float8Rules(include=...)``)."""
+    total = 0
+    kept: dict = {}  # kind -> [products, FLOPs, first (eqn, enclosing)]
+    for eqn, flops, enclosing in census.census(closed_jaxpr.jaxpr):
+        flops *= 1 + sum(_differentiated_operands(eqn, diff))
+        total += flops
+        scopes = [compat.name_stack(e) for e in (*enclosing, eqn)]
+        why = float8.placement(eqn, "/".join(s for s in scopes if s), rules.low_precision,
+                               float8_rules, from_inputs.get(id(eqn), (True, True)))
+        if why in float8.COSTLY:
+            row = kept.setdefault(why, [0, 0, (eqn, enclosing)])
+            row[0] += 1
+            row[1] += flops
+    if not kept:
+        return False
+    lines = [f"  - {n} {kind} product{'s' * (n > 1)} ({messages.percent(f / total)} of the "
+             f"FLOPs), the first at {source.user_location(*first)}: {float8.COSTLY[kind].says}"
+             for kind, (n, f, first) in kept.items()]
+    first = next(iter(kept.values()))[2]
+    return messages.warn_once(
+        (source.location_key(*first), "costly", tuple(sorted(kept))),
+        f"jaxmp: autocast with matmul_dtype={np.dtype(matmul_dtype).name} keeps these "
+        f"products in {np.dtype(compute_dtype).name}, where float8 costs more than it saves "
+        "on the GPU (the program XLA compiles for an H100):\n" + "\n".join(lines) + "\n"
+        "  Fix: none needed; to run them in float8 anyway, float8_rules="
+        "jaxmp.experimental.Float8Rules(include={"
+        + ", ".join(map(repr, sorted(kept))) + "}).",
+        Float8PlacementWarning)
+
+
 def warn_if_float8_shortfall(closed_jaxpr, rules: Any, float8_rules: Any, compute_dtype: Any,
                              matmul_dtype: Any, recipe: Any = None,
-                             differentiated: list | None = None) -> bool:
+                             differentiated: list | None = None,
+                             from_inputs: dict | None = None) -> bool:
     """Warns when products of ``closed_jaxpr`` run wider than float8 for a reason of autocast's.
 
     ``closed_jaxpr`` is the function autocast traced, with ``rules`` (a
@@ -351,16 +422,20 @@ def warn_if_float8_shortfall(closed_jaxpr, rules: Any, float8_rules: Any, comput
     if differentiated is None:
         differentiated = [True] * len(closed_jaxpr.jaxpr.invars)
     diff = census.differentiated_products(closed_jaxpr.jaxpr, differentiated)
+    if from_inputs is None:
+        from_inputs = jaxprs.read_from_inputs(closed_jaxpr.jaxpr)
     if recipe is not None:
-        _warn_if_recipe_keeps(closed_jaxpr, rules, float8_rules, recipe)
+        _warn_if_recipe_keeps(closed_jaxpr, rules, float8_rules, recipe, from_inputs)
     fallback = recipe is not None and _warn_if_fallback(closed_jaxpr, rules, float8_rules,
-                                                        recipe)
+                                                        recipe, from_inputs)
     unblocked = fallback or (recipe is not None and recipe.block > 0 and _warn_if_unblocked(
-        closed_jaxpr, rules, float8_rules, recipe, diff))
+        closed_jaxpr, rules, float8_rules, recipe, diff, from_inputs))
+    unblocked |= _say_kept_by_cost(closed_jaxpr, rules, float8_rules, compute_dtype,
+                                   matmul_dtype, diff, from_inputs)
     total = in_float8 = wider = 0
     first = None
     for eqn, flops, enclosing in census.census(closed_jaxpr.jaxpr):
-        placed = _place(eqn, enclosing, rules, float8_rules)
+        placed = _place(eqn, enclosing, rules, float8_rules, from_inputs)
         grads = _differentiated_operands(eqn, diff)
         backward = flops * sum(grads)
         backward8 = flops * sum(g and f for g, f in zip(grads, _float8_gradients(

@@ -36,6 +36,7 @@ from jaxmp._src import census
 from jaxmp._src import compat
 from jaxmp._src import float8
 from jaxmp._src import interpret
+from jaxmp._src import jaxprs
 from jaxmp._src import shortfall
 from jaxmp._src.autocast import analysis
 from jaxmp._src.autocast import interpreter as interpreter_lib
@@ -168,16 +169,20 @@ def autocast(
         matmul_dtype: ``None`` (default): matrix products in
             ``compute_dtype``. ``jnp.float8_e4m3fn`` (or ``jnp.float8_e5m2``):
             every ``low_precision`` product that ``float8_rules`` selects
-            runs with float8 operands, each scaled per tensor from its
+            (by default all but an attention's ``q @ k.T`` and ``probs @ v``
+            and convolutions, where float8 does not pay: said once by a
+            :class:`jaxmp.experimental.Float8PlacementWarning`) runs with float8
+            operands, each scaled per tensor from its
             current absolute maximum, accumulating in float32, its result in
             ``compute_dtype``; its backward products take the cotangent in
-            ``float8_e5m2``. A convolution runs its forward product and, with
-            unit strides, its input gradient in float8, the rest in
+            ``float8_e5m2``. A convolution asked for in float8 runs its forward
+            product and, with unit strides, its input gradient in float8, the rest in
             ``compute_dtype`` (XLA's GPU compiler runs only forward
             convolutions in float8). See ``docs/float8.md``.
         float8_rules: a :class:`jaxmp.experimental.Float8Rules`: which products stay in
             ``compute_dtype`` under a float8 ``matmul_dtype`` (default
-            ``jaxmp.experimental.Float8Rules()``: none).
+            ``jaxmp.experimental.Float8Rules()``: those float8 does not pay
+            for; ``include=`` asks for them).
         float8_scaling: how the float8 products are scaled. ``"tensor"``
             (default): one power-of-two scale per operand, as above.
             ``"mxfp8"`` (OCP MX v1.0, for GPUs with block-scaled float8, such
@@ -268,10 +273,13 @@ def autocast(
     recompute = recompute_float32 and casting.is_narrow_dtype(compute_dtype)
 
     def run_autocast(closed, dyn, margin=None):
+        from_inputs = None
         if matmul_dtype is not None:  # says, once, which products cannot run in float8
+            from_inputs = jaxprs.read_from_inputs(closed.jaxpr)
             shortfall.warn_if_float8_shortfall(closed, rules, float8_rules, compute_dtype,
                                                matmul_dtype, float8_recipe,
-                                               [census.is_differentiated(x) for x in dyn])
+                                               [census.is_differentiated(x) for x in dyn],
+                                               from_inputs)
         out_avals = closed.out_avals
         keep = analysis.narrow_safe(closed, rules)
         # Under float8 the products quantize their operands from float32: a collective
@@ -280,7 +288,7 @@ def autocast(
         interpreter = interpreter_lib.Autocast(compute_dtype, rules, keep, matmul_dtype,
                                                float8_rules, analysis.shifted_exps(closed, keep),
                                                early, float8_recipe,
-                                               analysis.broadcast_sizes(closed))
+                                               analysis.broadcast_sizes(closed), from_inputs)
         consts = list(closed.consts)
 
         def run(*flat):

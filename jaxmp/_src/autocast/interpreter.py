@@ -118,7 +118,8 @@ class Autocast(interpret.Interpreter):
                  keep: frozenset = frozenset(), matmul_dtype: np.dtype | None = None,
                  float8_rules: float8.Float8Rules = float8.Float8Rules(),
                  shifted: frozenset = frozenset(), narrow_early: frozenset = frozenset(),
-                 float8_recipe: float8.Recipe | None = None, broadcast: dict | None = None):
+                 float8_recipe: float8.Recipe | None = None, broadcast: dict | None = None,
+                 from_inputs: dict | None = None):
         super().__init__({**interpret.HANDLERS, "scan": _in_loop(_scan),
                           "while": _in_loop(interpret.HANDLERS["while"])})
         self.loop_depth = 0  # how many loops (scan, while) the equation being evaluated is in
@@ -133,6 +134,8 @@ class Autocast(interpret.Interpreter):
         self.narrow_early = narrow_early
         # Values that broadcast a smaller one, and its size (``analysis.broadcast_sizes``).
         self.broadcast = broadcast or {}
+        # Which operands of each product are read from the inputs (``jaxprs.read_from_inputs``).
+        self.from_inputs = from_inputs or {}
         self._scopes: list[str] = []  # name stacks of the equations being evaluated
         self._casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
 
@@ -270,7 +273,8 @@ class Autocast(interpret.Interpreter):
             return interpret.bind(eqn, invals), [_PLAIN] * nout
         if self.matmul_dtype is not None and name in float8.FLOAT8_PRIMITIVES:
             scope = "/".join(s for s in self._scopes if s)
-            if float8.placement(eqn, scope, self.rules.low_precision, self.float8_rules) is None:
+            if float8.placement(eqn, scope, self.rules.low_precision, self.float8_rules,
+                                self.from_inputs.get(id(eqn), (True, True))) is None:
                 # Float8 operands scaled from their own amax, float32 accumulation.
                 return [float8.scaled_product(eqn, invals, self.compute_dtype,
                                               self.matmul_dtype, self._recipe(eqn))], [_PLAIN]

@@ -6,7 +6,7 @@ names the recipe that scales it, a row of :data:`RECIPES`. The package, from
 the bottom up (a module imports only those above it in this list):
 
 * ``rules.py``: which products run in float8 and in which dtypes
-  (:class:`Float8Rules`, :func:`placement`, :func:`conv_float8_products`,
+  (:class:`Float8Rules`, :data:`COSTLY`, :func:`placement`, :func:`conv_float8_products`,
   :func:`check_matmul_dtype`);
 * ``scaling.py``: the power-of-two scale arithmetic and quantisation every
   recipe shares (:func:`scale_exponent`, :func:`scale_for`);
@@ -39,6 +39,7 @@ from jaxmp._src.float8.mxfp8 import mx_quantize
 from jaxmp._src.float8.nvfp4 import NVFP4
 from jaxmp._src.float8.recipe import Recipe
 from jaxmp._src.float8.recipe import StateSpec
+from jaxmp._src.float8.rules import COSTLY
 from jaxmp._src.float8.rules import FLOAT8_PRIMITIVES
 from jaxmp._src.float8.rules import Float8Rules
 from jaxmp._src.float8.rules import Product
@@ -59,8 +60,8 @@ from jaxmp._src.float8.target import block_scaled_gemms
 from jaxmp._src.float8.target import describe
 
 __all__ = [
-    "DEFAULT_RECIPE", "FLOAT8_PRIMITIVES", "Float8Rules", "NVFP4", "Product", "RECIPES", "Recipe",
-    "Target", "block_scaled_gemms", "check_matmul_dtype", "check_scaling",
+    "COSTLY", "DEFAULT_RECIPE", "FLOAT8_PRIMITIVES", "Float8Rules", "NVFP4", "Product", "RECIPES",
+    "Recipe", "Target", "block_scaled_gemms", "check_matmul_dtype", "check_scaling",
     "conv_float8_products", "describe", "is_float8_dtype", "mx_quantize", "placement",
     "product_of", "recipe_for", "recipe_on", "scale_for", "scaled_product",
 ]

@@ -2,15 +2,17 @@
 
 The bottom of the ``float8`` package, read by every recipe and by the census:
 the ``matmul_dtype`` values accepted (:func:`check_matmul_dtype`), the
-user's :class:`Float8Rules` over a :class:`Product`, the one placement
-decision (:func:`placement`) and which products of a convolution XLA's GPU
-compiler runs in float8 (:func:`conv_float8_products`). Nothing here says
+user's :class:`Float8Rules` over a :class:`Product`, the kinds of products
+float8 does not pay for, kept in the compute dtype by default (:data:`COSTLY`),
+the one placement decision (:func:`placement`) and which products of a
+convolution XLA's GPU compiler runs in float8 (:func:`conv_float8_products`). Nothing here says
 how a product is scaled: that is a recipe's (``tensor.py``, ``mxfp8.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Iterable, NamedTuple
 
 import jax.numpy as jnp
@@ -73,8 +75,12 @@ class Product(NamedTuple):
         flops: ``2 *`` multiply-adds, as :func:`jaxmp.debug.matmul_flops` counts them.
         scope: the ``jax.named_scope`` names around the product, outermost
             first, joined by ``/`` (``""`` when there are none).
-        batched: whether it is a ``dot_general`` with batch dimensions (an
-            attention product's heads and examples; a dense layer has none).
+        batch_dims: how many batch dimensions a ``dot_general`` has (0 for a
+            convolution): the heads and batch of an attention einsum.
+        from_inputs: whether each operand is read from the inputs of the
+            function autocast runs (a parameter, a batch: moved, reshaped or
+            converted only) rather than computed by it (an activation).
+        elements: the elements of its two operands and of its result.
     """
 
     primitive: str
@@ -82,7 +88,57 @@ class Product(NamedTuple):
     rhs_shape: tuple
     flops: int
     scope: str
-    batched: bool = False
+    batch_dims: int = 0
+    from_inputs: tuple = (True, True)
+    elements: int = 0
+
+    @property
+    def activation_product(self) -> bool:
+        """A ``dot_general`` with batch dimensions whose two operands the function computes:
+        an attention's scores (``q @ k.T``) and its weighted values (``probs @ v``)."""
+        return self.batch_dims > 0 and not any(self.from_inputs)
+
+    @property
+    def batched(self) -> bool:
+        """Whether it is a ``dot_general`` with batch dimensions (an attention product's heads
+        and examples; a dense layer has none)."""
+        return self.batch_dims > 0
+
+    @property
+    def flops_per_element(self) -> float:
+        """Its ``flops`` over the elements float8 quantises for it: its two operands and
+        its result (the cotangent its backward products quantise)."""
+        return self.flops / max(1, self.elements)
+
+
+class Costly(NamedTuple):
+    """A kind of product kept in the compute dtype by default: float8 does not pay for it.
+
+    Attributes:
+        keeps: whether a :class:`Product` is of this kind.
+        says: why float8 does not pay for it, as the message that lists them says.
+    """
+
+    keeps: Callable[[Product], bool]
+    says: str
+
+
+#: The products :func:`jaxmp.autocast` keeps in the compute dtype under a float8
+#: ``matmul_dtype`` unless ``Float8Rules(include=...)`` names them: on the H100 program
+#: XLA compiles (``benchmarks/README.md``, "Issue 41 part 3"), quantising them costs more
+#: than their float8 GEMMs save.
+COSTLY = {
+    "attention": Costly(
+        lambda p: p.primitive == "dot_general" and p.activation_product,
+        "products with batch dimensions of two activations the function computes (an "
+        "attention's scores q @ k.T and weighted values probs @ v): float8 quantises both "
+        "operands and the cotangent, each a full activation, for few FLOPs per element"),
+    "convolution": Costly(
+        lambda p: p.primitive == "conv_general_dilated",
+        "convolutions: XLA's GPU compiler runs only their forward product (and a "
+        "unit-stride input gradient) in float8 and widens the rest, so quantising costs more "
+        "than it saves (ResNet-50 on an H100: float8 1.18x the bfloat16 step)"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +146,13 @@ class Float8Rules:
     """Which matrix products :func:`jaxmp.autocast` runs in float8 (``matmul_dtype``).
 
     A product runs in float8 unless one of these says to keep it in the
-    compute dtype:
+    compute dtype, or it is of a kind float8 does not pay for
+    (``jaxmp._src.float8.rules.COSTLY``): by default, products with batch
+    dimensions whose two operands the function computes (an attention's
+    ``q @ k.T`` and ``probs @ v``, not a projection, whose weight is read
+    from the function's inputs) and convolutions stay in the compute dtype,
+    said once while tracing (:class:`jaxmp.experimental.Float8ShortfallWarning`);
+    ``include`` asks for them in float8.
 
     Attributes:
         primitives: the primitives run in float8 (default ``dot_general`` and
@@ -107,6 +169,14 @@ class Float8Rules:
         keep_if: a predicate on a ``Product`` (``primitive``,
             ``lhs_shape``, ``rhs_shape``, ``flops``, ``scope``); products for
             which it returns ``True`` stay in the compute dtype.
+        include: the kinds of products kept in the compute dtype by default to
+            run in float8 anyway: ``"attention"`` (batched products of two
+            computed activations), ``"convolution"``; default none.
+        min_flops_per_element: products with fewer FLOPs per element that
+            float8 quantises (both operands and the result,
+            ``Product.flops_per_element``) stay in the compute dtype (default
+            0: none). On an H100 or a B200 float8 pays from about 1000: a
+            GEMM of ``m x k`` by ``k x n`` has ``2mkn / (mk + kn + mn)``.
 
     Examples:
         >>> import jaxmp
@@ -117,15 +187,19 @@ class Float8Rules:
         Float8Rules(min_flops=1048576, keep_scopes={'head'})
         >>> "head" in rules.keep_scopes
         True
+        >>> jaxmp.experimental.Float8Rules(include={"attention"})  # q @ k.T in float8 too
+        Float8Rules(include={'attention'})
     """
 
     primitives: frozenset = FLOAT8_PRIMITIVES
     min_flops: int = 0
     keep_scopes: frozenset = frozenset()
     keep_if: Callable[[Product], bool] | None = None
+    include: frozenset = frozenset()
+    min_flops_per_element: int = 0
 
     def __post_init__(self):
-        for field in ("primitives", "keep_scopes"):
+        for field in ("primitives", "keep_scopes", "include"):
             names = getattr(self, field)
             if isinstance(names, str) or not all(isinstance(n, str) for n in names):
                 raise TypeError(f"Float8Rules.{field} must be a collection of strings, e.g. "
@@ -135,9 +209,15 @@ class Float8Rules:
         if unknown:
             raise ValueError(f"Float8Rules.primitives: only {sorted(FLOAT8_PRIMITIVES)} can run "
                              f"in float8; got {unknown}.")
-        if (not isinstance(self.min_flops, (int, np.integer)) or isinstance(self.min_flops, bool)
-                or self.min_flops < 0):
-            raise TypeError(f"Float8Rules.min_flops must be an int >= 0, got {self.min_flops!r}.")
+        unknown = sorted(self.include - set(COSTLY))
+        if unknown:
+            raise ValueError(f"Float8Rules.include: the products kept by default are "
+                             f"{sorted(COSTLY)}; got {unknown}.")
+        for field in ("min_flops", "min_flops_per_element"):
+            value = getattr(self, field)
+            if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
+                    or value < 0):
+                raise TypeError(f"Float8Rules.{field} must be an int >= 0, got {value!r}.")
         if self.keep_if is not None and not callable(self.keep_if):
             raise TypeError("Float8Rules.keep_if must be a function of a Product returning a "
                             f"bool, or None; got {type(self.keep_if).__name__}.")
@@ -146,10 +226,18 @@ class Float8Rules:
         """Whether ``product`` stays in the compute dtype."""
         if product.primitive not in self.primitives or product.flops < self.min_flops:
             return True
+        if product.elements and product.flops_per_element < self.min_flops_per_element:
+            return True
         path = "/" + product.scope + "/"
         if any("/" + name.strip("/") + "/" in path for name in self.keep_scopes):
             return True
         return bool(self.keep_if(product)) if self.keep_if is not None else False
+
+    def costly(self, product: Product) -> str | None:
+        """The kind of :data:`COSTLY` that keeps ``product`` in the compute dtype by default,
+        unless ``include`` names it; ``None`` when there is none."""
+        return next((name for name, kind in COSTLY.items()
+                     if name not in self.include and kind.keeps(product)), None)
 
     def __repr__(self) -> str:
         parts = []
@@ -162,17 +250,27 @@ class Float8Rules:
             parts.append(f"keep_scopes={names(self.keep_scopes)}")
         if self.keep_if is not None:
             parts.append(f"keep_if={getattr(self.keep_if, '__name__', self.keep_if)!r}")
+        if self.include:
+            parts.append("include={" + ", ".join(map(repr, sorted(self.include))) + "}")
+        if self.min_flops_per_element:
+            parts.append(f"min_flops_per_element={self.min_flops_per_element}")
         return f"Float8Rules({', '.join(parts)})"
 
 
-def product_of(eqn, scope: str) -> Product:
-    """The :class:`Product` of a ``dot_general`` or ``conv_general_dilated`` equation."""
+def product_of(eqn, scope: str, from_inputs: tuple = (True, True)) -> Product:
+    """The :class:`Product` of a ``dot_general`` or ``conv_general_dilated`` equation whose
+    operands are read from the function's inputs or not (``from_inputs``,
+    :func:`jaxprs.read_from_inputs`)."""
     lhs, rhs = (tuple(v.aval.shape) for v in eqn.invars[:2])
-    batched = eqn.primitive.name == "dot_general" and bool(compat.dimension_numbers(eqn)[1][0])
-    return Product(eqn.primitive.name, lhs, rhs, jaxprs.eqn_flops(eqn), scope, batched)
+    batch = len(compat.dimension_numbers(eqn)[1][0]) if eqn.primitive.name == "dot_general" else 0
+    elements = math.prod(lhs) + math.prod(rhs) + sum(math.prod(v.aval.shape)
+                                                     for v in eqn.outvars)
+    return Product(eqn.primitive.name, lhs, rhs, jaxprs.eqn_flops(eqn), scope, batch,
+                   tuple(from_inputs), elements)
 
 
-def placement(eqn, scope: str, low_precision: Iterable[str], rules: Float8Rules) -> str | None:
+def placement(eqn, scope: str, low_precision: Iterable[str], rules: Float8Rules,
+              from_inputs: tuple = (True, True)) -> str | None:
     """Whether :func:`jaxmp.autocast` with a float8 ``matmul_dtype`` runs ``eqn`` in float8.
 
     The one decision, asked by autocast to run the product and by the
@@ -184,6 +282,9 @@ def placement(eqn, scope: str, low_precision: Iterable[str], rules: Float8Rules)
     * ``"kept"``: the user's ``rules`` keep it in the compute dtype;
     * ``"rules"``: its primitive is not in ``AutocastRules.low_precision``;
     * ``"operand"``: it does not have two floating-point operands;
+    * a key of :data:`COSTLY` (``"attention"``, ``"convolution"``): float8
+      does not pay for it, so it stays in the compute dtype by default
+      (unless ``rules.include`` names it);
     * ``"transposed_conv"``: a convolution that dilates its input
       (``lhs_dilation``), which XLA's GPU compiler cannot run in float8 (see
       :func:`conv_float8_products`).
@@ -196,17 +297,23 @@ def placement(eqn, scope: str, low_precision: Iterable[str], rules: Float8Rules)
         scope: the ``jax.named_scope`` path around it (see :class:`Product`).
         low_precision: ``AutocastRules.low_precision``.
         rules: the :class:`jaxmp.experimental.Float8Rules`.
+        from_inputs: whether each operand is read from the function's inputs
+            (:func:`jaxprs.read_from_inputs`; default: both, as when unknown).
     """
     dtypes = [np.dtype(v.aval.dtype) for v in eqn.invars]
     floats = [d for d in dtypes if casting.is_float_dtype(d)]
     if any(is_float8_dtype(d) for d in floats):
         return "float8_operand"
-    if rules.keeps(product_of(eqn, scope)):
+    product = product_of(eqn, scope, from_inputs)
+    if rules.keeps(product):
         return "kept"
     if eqn.primitive.name not in low_precision:
         return "rules"
     if len(floats) != 2 or len(dtypes) != 2:
         return "operand"
+    costly = rules.costly(product)
+    if costly is not None:
+        return costly
     if eqn.primitive.name == "conv_general_dilated" and not conv_float8_products(compat.conv_params(eqn))[0]:
         return "transposed_conv"
     return None
