@@ -635,9 +635,8 @@ def _record_periods(state: ScalerState, alarm: jax.Array, steps: jax.Array,
     on = (_last(alarm) & kinds) != 0
     rose = on & ((_last(state.alarm) & kinds) == 0)
     periods = state.alarm_periods + rose.astype(jnp.int32)
-    steps = _last(steps)
-    last = _pair(jnp.where(rose, steps, state.last_alarm[..., 0]),
-                 jnp.where(on, steps, state.last_alarm[..., 1]))
+    # A period's first step where its kind rose, its last step wherever the kind is on.
+    last = jnp.where(_pair(rose, on), _last(_last(steps)), state.last_alarm)
     skipped_here = on & jnp.logical_not(finite)
     last_scale = jnp.where(skipped_here, _last(state.scale), state.alarm_scale[..., 1])
     # While a kind's first period is its latest, the two are the same.
