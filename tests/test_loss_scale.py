@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxmp
+from jaxmp._src import alarms
 
 ALL_STATES = {
     "dynamic": lambda: jaxmp.init_scaler(initial_scale=64.0, growth_interval=3, growth_factor=4.0,
@@ -697,3 +698,30 @@ def test_alarms_of_replicated_and_batched_scalers():
             states = step(states, jnp.array([True, False, True]))
     assert len(record) == 1
     assert [int(s) for s in states.overflow_streak] == [0, 11, 0]
+
+
+@pytest.mark.parametrize("make", [jaxmp.noop_scaler, lambda: jaxmp.init_scaler(stuck_after=3)],
+                         ids=["noop", "dynamic"])
+def test_adjust_is_elementwise_so_a_gpu_fuses_it(make):
+    # Issue 41 part 2: a stack (concatenate) or a sum over the pairs of the state
+    # (recent, the alarm record) is a GPU kernel of its own that the next ops wait for:
+    # the scaler's update was 16 kernels of the H100 program, elementwise it is 10
+    # (tests/test_gpu_optimizer_step.py counts them).
+    state = make()
+    jaxpr = jax.make_jaxpr(jaxmp.adjust)(state, jnp.asarray(True))
+    names = {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
+    assert not names & {"concatenate", "reduce_sum", "reduce_max", "reduce_and", "reduce_or"}
+    # Per lane of a batch of scalers, as each alone (the pairs live on the last axis).
+    batch = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), state)
+    flags = [jnp.asarray([True, False]), jnp.asarray([False, False]), jnp.asarray([False, True])]
+    alone = [state, state]
+    batched, single = jax.jit(jax.vmap(jaxmp.adjust)), jax.jit(jaxmp.adjust)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jaxmp.SkippedStepsWarning)  # said; tested elsewhere
+        for flag in flags * 12:
+            batch = batched(batch, flag)
+            alone = [single(s, f) for s, f in zip(alone, flag)]
+    for lane, single in enumerate(alone):
+        for x, y in zip(jax.tree_util.tree_leaves(batch), jax.tree_util.tree_leaves(single)):
+            np.testing.assert_array_equal(x[lane], y)
+    assert [int(s.alarm_record) for s in alone] == [alarms.FREQUENT, alarms.FREQUENT]
