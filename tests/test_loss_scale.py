@@ -194,12 +194,20 @@ def test_all_finite_concatenates_only_where_nothing_is_gathered():
     assert not bool(jaxmp.all_finite(dict(tree, h=tree["h"].at[2].set(jnp.inf))))
 
 
-def test_all_finite_mixed_dtypes_meet_exactly():
+@pytest.mark.parametrize("chain", [False, True], ids=["sorted", "chained"])
+def test_all_finite_mixed_dtypes_meet_exactly(chain):
     # float32's largest values overflow bfloat16 and float16; a group's concatenation of
     # them is float32. The GPU's grouped verdict, evaluated here on the CPU.
     from jaxmp._src import loss_scale  # pylint: disable=g-import-not-at-top
 
-    grouped = jax.jit(lambda *xs: loss_scale._verdict(*xs, size=32))
+    grouped = jax.jit(lambda *xs: loss_scale._verdict(*xs, size=32, chain=chain))
+    # Groups of one leaf, their flags combined (the sort and minimum, or the GPU's chain).
+    single = jax.jit(lambda *xs: loss_scale._verdict(*xs, size=1, chain=chain))
+    assert bool(single(jnp.ones(2), jnp.ones(3, jnp.bfloat16), jnp.float16(2)))
+    for bad in range(3):
+        leaves = [jnp.ones(2), jnp.ones(3, jnp.bfloat16), jnp.float16(2)]
+        leaves[bad] = leaves[bad] * jnp.asarray(jnp.nan, leaves[bad].dtype)
+        assert not bool(single(*leaves))
     big = jnp.float32(3.4e38)  # rounds to inf in bfloat16
     assert jnp.isinf(big.astype(jnp.bfloat16))
     assert bool(grouped(big, jnp.ones(2, jnp.bfloat16)))
