@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxmp
-from jaxmp._src import alarms
 
 ALL_STATES = {
     "dynamic": lambda: jaxmp.init_scaler(initial_scale=64.0, growth_interval=3, growth_factor=4.0,
@@ -715,21 +714,30 @@ def test_adjust_is_elementwise_so_a_gpu_fuses_it(make):
     # (recent, the alarm record) is a GPU kernel of its own that the next ops wait for:
     # the scaler's update was 16 kernels of the H100 program, elementwise it is 10
     # (tests/test_gpu_optimizer_step.py counts them).
-    state = make()
-    jaxpr = jax.make_jaxpr(jaxmp.adjust)(state, jnp.asarray(True))
+    jaxpr = jax.make_jaxpr(jaxmp.adjust)(make(), jnp.asarray(True))
     names = {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
     assert not names & {"concatenate", "reduce_sum", "reduce_max", "reduce_and", "reduce_or"}
-    # Per lane of a batch of scalers, as each alone (the pairs live on the last axis).
+
+
+def test_adjust_of_a_batch_of_scalers_is_each_alone():
+    # The pairs of the state live on its last axis, after any batch axes (vmap).
+    state = jaxmp.init_scaler(initial_scale=2.0, stuck_after=3)
+    lanes = ([False] * 5 + [True] + [False] * 4 + [True, True],
+             [True, False, True, False, False, True, False, True, True, False, False, False])
     batch = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), state)
-    flags = [jnp.asarray([True, False]), jnp.asarray([False, False]), jnp.asarray([False, True])]
     alone = [state, state]
     batched, single = jax.jit(jax.vmap(jaxmp.adjust)), jax.jit(jaxmp.adjust)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", jaxmp.SkippedStepsWarning)  # said; tested elsewhere
-        for flag in flags * 12:
-            batch = batched(batch, flag)
-            alone = [single(s, f) for s, f in zip(alone, flag)]
-    for lane, single in enumerate(alone):
-        for x, y in zip(jax.tree_util.tree_leaves(batch), jax.tree_util.tree_leaves(single)):
+        warnings.simplefilter("ignore", jaxmp.TrainingStuckWarning)  # said; tested elsewhere
+        for flags in zip(*lanes):
+            batch = batched(batch, jnp.asarray(flags))
+            alone = [single(s, f) for s, f in zip(alone, flags)]
+    for lane, one in enumerate(alone):
+        for x, y in zip(jax.tree_util.tree_leaves(batch), jax.tree_util.tree_leaves(one)):
             np.testing.assert_array_equal(x[lane], y)
-    assert [int(s.alarm_record) for s in alone] == [alarms.FREQUENT, alarms.FREQUENT]
+    # Lane 0 is stuck at steps 3-5 and 9-10: two periods of its first alarm kind.
+    assert np.asarray(alone[0].alarm_periods).tolist() == [2, 0]
+    assert np.asarray(alone[0].first_alarm).tolist() == [[3, 5], [0, 0]]
+    assert np.asarray(alone[0].last_alarm).tolist() == [[9, 10], [0, 0]]
+    # Lane 1 only at its last step (its last three overflowed).
+    assert np.asarray(alone[1].last_alarm).tolist() == [[12, 12], [0, 0]]
