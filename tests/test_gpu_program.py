@@ -220,6 +220,40 @@ def test_bytes_of_slices_and_in_place_updates():
     assert (update.read, update.written) == (row + 4, row)  # in place: the buffer is not read
 
 
+_SLICE_AFTER_CONVERT = """HloModule m, is_scheduled=true
+
+%fused_tie (big: bf16[64,1024], mask: pred[64,1024], small: f32[16]) -> f32[16] {
+  %big = bf16[64,1024]{1,0} parameter(0)
+  %mask = pred[64,1024]{1,0} parameter(1)
+  %small = f32[16]{0} parameter(2)
+  %wide = f32[64,1024]{1,0} convert(%big)
+  %zero = f32[] constant(0)
+  %zeros = f32[64,1024]{1,0} broadcast(%zero), dimensions={}
+  %masked = f32[64,1024]{1,0} select(%mask, %wide, %zeros)
+  %corner = f32[1,1]{1,0} slice(%masked), slice={[0:1], [0:1]}
+  %one = f32[] reshape(%corner)
+  %ones = f32[16]{0} broadcast(%one), dimensions={}
+  ROOT %out = f32[16]{0} add(%small, %ones)
+}
+
+ENTRY %main (big: bf16[64,1024], mask: pred[64,1024], small: f32[16]) -> f32[16] {
+  %big = bf16[64,1024]{1,0} parameter(0)
+  %mask = pred[64,1024]{1,0} parameter(1)
+  %small = f32[16]{0} parameter(2)
+  ROOT %tied = f32[16]{0} fusion(%big, %mask, %small), kind=kLoop, calls=%fused_tie
+}
+"""
+
+
+def test_bytes_of_a_slice_taken_after_elementwise_operations():
+    # Issue 41 part 2: jaxmp's recomputed regions tie their results to an element of a large
+    # tensor (x + c[0, 0] * 0); XLA fuses the convert, select and slice into the consumer,
+    # which computes (and reads) one element of each operand, not the whole tensors.
+    (tied,) = jaxmp.debug.GpuProgram.from_hlo(_SLICE_AFTER_CONVERT, "h100").kernels
+    assert tied.read == 2 + 1 + 16 * 4  # an element of the bf16 and pred tensors, the vector
+    assert tied.written == 16 * 4
+
+
 def test_estimate_is_the_roofline_of_each_kernel_plus_its_launch():
     program = jaxmp.debug.GpuProgram.from_hlo(_GEMM, "h100")
     (kernel,) = program.kernels

@@ -193,12 +193,20 @@ def test_all_finite_concatenates_only_where_nothing_is_gathered():
     assert not bool(jaxmp.all_finite(dict(tree, h=tree["h"].at[2].set(jnp.inf))))
 
 
-def test_all_finite_mixed_dtypes_meet_exactly():
+@pytest.mark.parametrize("chain", [False, True], ids=["sorted", "chained"])
+def test_all_finite_mixed_dtypes_meet_exactly(chain):
     # float32's largest values overflow bfloat16 and float16; a group's concatenation of
     # them is float32. The GPU's grouped verdict, evaluated here on the CPU.
     from jaxmp._src import loss_scale  # pylint: disable=g-import-not-at-top
 
-    grouped = jax.jit(lambda *xs: loss_scale._verdict(*xs, size=32))
+    grouped = jax.jit(lambda *xs: loss_scale._verdict(*xs, size=32, chain=chain))
+    # Groups of one leaf, their flags combined (the sort and minimum, or the GPU's chain).
+    single = jax.jit(lambda *xs: loss_scale._verdict(*xs, size=1, chain=chain))
+    assert bool(single(jnp.ones(2), jnp.ones(3, jnp.bfloat16), jnp.float16(2)))
+    for bad in range(3):
+        leaves = [jnp.ones(2), jnp.ones(3, jnp.bfloat16), jnp.float16(2)]
+        leaves[bad] = leaves[bad] * jnp.asarray(jnp.nan, leaves[bad].dtype)
+        assert not bool(single(*leaves))
     big = jnp.float32(3.4e38)  # rounds to inf in bfloat16
     assert jnp.isinf(big.astype(jnp.bfloat16))
     assert bool(grouped(big, jnp.ones(2, jnp.bfloat16)))
@@ -697,3 +705,39 @@ def test_alarms_of_replicated_and_batched_scalers():
             states = step(states, jnp.array([True, False, True]))
     assert len(record) == 1
     assert [int(s) for s in states.overflow_streak] == [0, 11, 0]
+
+
+@pytest.mark.parametrize("make", [jaxmp.noop_scaler, lambda: jaxmp.init_scaler(stuck_after=3)],
+                         ids=["noop", "dynamic"])
+def test_adjust_is_elementwise_so_a_gpu_fuses_it(make):
+    # Issue 41 part 2: a stack (concatenate) or a sum over the pairs of the state
+    # (recent, the alarm record) is a GPU kernel of its own that the next ops wait for:
+    # the scaler's update was 16 kernels of the H100 program, elementwise it is 10
+    # (tests/test_gpu_optimizer_step.py counts them).
+    jaxpr = jax.make_jaxpr(jaxmp.adjust)(make(), jnp.asarray(True))
+    names = {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
+    assert not names & {"concatenate", "reduce_sum", "reduce_max", "reduce_and", "reduce_or"}
+
+
+def test_adjust_of_a_batch_of_scalers_is_each_alone():
+    # The pairs of the state live on its last axis, after any batch axes (vmap).
+    state = jaxmp.init_scaler(initial_scale=2.0, stuck_after=3)
+    lanes = ([False] * 5 + [True] + [False] * 4 + [True, True],
+             [True, False, True, False, False, True, False, True, True, False, False, False])
+    batch = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), state)
+    alone = [state, state]
+    batched, single = jax.jit(jax.vmap(jaxmp.adjust)), jax.jit(jaxmp.adjust)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jaxmp.TrainingStuckWarning)  # said; tested elsewhere
+        for flags in zip(*lanes):
+            batch = batched(batch, jnp.asarray(flags))
+            alone = [single(s, f) for s, f in zip(alone, flags)]
+    for lane, one in enumerate(alone):
+        for x, y in zip(jax.tree_util.tree_leaves(batch), jax.tree_util.tree_leaves(one)):
+            np.testing.assert_array_equal(x[lane], y)
+    # Lane 0 is stuck at steps 3-5 and 9-10: two periods of its first alarm kind.
+    assert np.asarray(alone[0].alarm_periods).tolist() == [2, 0]
+    assert np.asarray(alone[0].first_alarm).tolist() == [[3, 5], [0, 0]]
+    assert np.asarray(alone[0].last_alarm).tolist() == [[9, 10], [0, 0]]
+    # Lane 1 only at its last step (its last three overflowed).
+    assert np.asarray(alone[1].last_alarm).tolist() == [[12, 12], [0, 0]]

@@ -519,16 +519,39 @@ class _Census:
 
     def _taken(self, parameter: hlo.Instruction) -> float | None:
         """Bytes a fused parameter's users read of it when every user only slices or gathers
-        it (or updates it in place); ``None`` when some user reads it whole."""
-        taken = 0.0
-        for user in self.module.users.get(parameter, ()):
-            if user.input(0) is not parameter:
+        it (or updates it in place), directly or through elementwise operations of its
+        shape (a convert or select before the slice: the kernel computes only the elements
+        it slices, as XLA emits a fusion element by element); ``None`` when some user reads
+        it whole."""
+        array = parameter.result[0] if parameter.result else None
+        if array is None:
+            return None
+        element = array.nbytes / array.size if array.size else 0.0
+        seen: set[int] = set()
+
+        def walk(value: hlo.Instruction) -> float | None:
+            users = self.module.users.get(value, ())
+            if not users and value is not parameter:  # an output of the fusion: computed whole
                 return None
-            if user.opcode in ("slice", "dynamic-slice", "gather"):
-                taken += sum(a.nbytes for a in user.result)
-            elif user.opcode != "dynamic-update-slice":  # in place: not read
-                return None
-        return taken
+            taken = 0.0
+            for user in users:
+                if id(user) in seen:
+                    continue
+                seen.add(id(user))
+                if user.opcode in ("slice", "dynamic-slice", "gather") and user.input(0) is value:
+                    taken += sum(a.size for a in user.result) * element
+                elif user.opcode == "dynamic-update-slice" and user.input(0) is value:
+                    continue  # in place: not read
+                elif user.opcode in _ELEMENTWISE and user.dims == value.dims:
+                    more = walk(user)
+                    if more is None:
+                        return None
+                    taken += more
+                else:
+                    return None
+            return taken
+
+        return walk(parameter)
 
     def _in_place(self, element: hlo.Instruction | None) -> tuple[int | None, float] | None:
         """``(buffer parameter number, update bytes)`` when ``element`` (a fusion output) is
@@ -551,6 +574,13 @@ def _narrower(a: str | None, b: str | None) -> str | None:
 def _tuple_index(ins: hlo.Instruction) -> int:
     found = re.search(r"index=(\d+)", ins.attributes)
     return int(found.group(1)) if found else 0
+
+
+# Elementwise HLO operations through which _taken follows a fused parameter to a slice.
+_ELEMENTWISE = frozenset({
+    "convert", "bitcast-convert", "select", "compare", "add", "subtract", "multiply", "divide",
+    "negate", "abs", "maximum", "minimum", "and", "or", "xor", "not", "exponential", "log",
+    "sqrt", "rsqrt", "tanh", "clamp", "is-finite", "copy"})
 
 
 # Instructions that launch nothing: they name, alias or bundle buffers, or run their

@@ -596,12 +596,13 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
     # The last 64 steps, one bit each (a skip after the first finite step).
     bit = (jnp.logical_not(finite) & (skipped < steps)).astype(jnp.uint32)
     low, high = state.recent[..., 0], state.recent[..., 1]
-    recent = jnp.stack([(low << 1) | bit, (high << 1) | (low >> 31)], axis=-1)
+    low, high = (low << 1) | bit, (high << 1) | (low >> 31)
     alarm = zero
     if state.on_stuck != "off":
         floor = jnp.asarray(state.min_scale, jnp.float32)
         stuck = (streak >= state.stuck_after) & (new_scale <= floor)
-        n_skipped = jax.lax.population_count(recent).astype(jnp.int32).sum(axis=-1)
+        count = jax.lax.population_count
+        n_skipped = (count(low) + count(high)).astype(jnp.int32)
         alarm = (jnp.where(stuck, alarms.STUCK, 0)
                  | jnp.where(n_skipped >= alarms.FREQUENT_SKIPS, alarms.FREQUENT, 0))
     alarm = jnp.asarray(alarm, jnp.int32)
@@ -612,7 +613,7 @@ def adjust(state: ScalerState, finite: Any) -> ScalerState:
         overflow_streak=streak.astype(jnp.int32),
         skipped_steps=skipped.astype(jnp.int32),
         steps=steps.astype(jnp.int32),
-        recent=recent,
+        recent=_pair(low, high),
         alarm=alarm,
         alarm_step=alarm_step.astype(jnp.int32),
         longest_skip_run=jnp.maximum(state.longest_skip_run, streak).astype(jnp.int32),
@@ -630,24 +631,41 @@ def _record_periods(state: ScalerState, alarm: jax.Array, steps: jax.Array,
     says from this record when its state comes back (the first and the latest
     period of each kind, and how many there were).
     """
-    kinds = jnp.asarray(alarms.KINDS, jnp.int32)
-    on = (alarm[..., None] & kinds) != 0
-    rose = on & ((state.alarm[..., None] & kinds) == 0)
+    kinds = jnp.broadcast_to(jnp.asarray(alarms.KINDS, jnp.int32), alarm.shape + (2,))
+    on = (_last(alarm) & kinds) != 0
+    rose = on & ((_last(state.alarm) & kinds) == 0)
     periods = state.alarm_periods + rose.astype(jnp.int32)
-    steps = jnp.broadcast_to(steps[..., None], on.shape)
-    last = jnp.stack([jnp.where(rose, steps, state.last_alarm[..., 0]),
-                      jnp.where(on, steps, state.last_alarm[..., 1])], axis=-1)
+    # A period's first step where its kind rose, its last step wherever the kind is on.
+    last = jnp.where(_pair(rose, on), _last(_last(steps)), state.last_alarm)
     skipped_here = on & jnp.logical_not(finite)
-    last_scale = jnp.where(skipped_here, state.scale[..., None], state.alarm_scale[..., 1])
+    last_scale = jnp.where(skipped_here, _last(state.scale), state.alarm_scale[..., 1])
     # While a kind's first period is its latest, the two are the same.
-    first = (periods == 1)[..., None]
+    first = _last(periods == 1)
     return {
         "alarm_periods": periods.astype(jnp.int32),
         "first_alarm": jnp.where(first, last, state.first_alarm).astype(jnp.int32),
         "last_alarm": last.astype(jnp.int32),
-        "alarm_scale": jnp.where(first, last_scale[..., None], jnp.stack(
-            [state.alarm_scale[..., 0], last_scale], axis=-1)).astype(jnp.float32),
+        "alarm_scale": jnp.where(first, _last(last_scale), _pair(
+            state.alarm_scale[..., 0], last_scale)).astype(jnp.float32),
     }
+
+
+# adjust and _record_periods write the scaler's pairs (``recent``, a kind's first and
+# last step) with the two helpers below rather than ``jnp.stack``, and count bits without
+# a reduction: every op is elementwise, so XLA:GPU fuses the update of the whole state
+# into a few kernels. A stack is a concatenation and a sum over the pair a reduction,
+# each a kernel of its own that the next ops wait for (16 kernels for adjust on an H100,
+# 11 without them; each small kernel costs a launch, ~3 us).
+def _last(x: jax.Array) -> jax.Array:
+    """``x`` repeated along a new last axis of two: ``jnp.stack([x, x], -1)``, elementwise."""
+    return jnp.broadcast_to(x[..., None], x.shape + (2,))
+
+
+def _pair(first: jax.Array, second: jax.Array) -> jax.Array:
+    """``jnp.stack([first, second], -1)`` as a select over the new axis's index."""
+    shape = first.shape + (2,)
+    is_first = jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1) == 0
+    return jnp.where(is_first, _last(first), _last(second))
 
 
 # The most leaves all_finite reduces in one kernel: XLA:GPU fuses at most 96 operands into
@@ -655,7 +673,7 @@ def _record_periods(state: ScalerState, alarm: jax.Array, steps: jax.Array,
 _FINITE_GROUP = 32
 
 
-def _verdict(*leaves: jax.Array, size: int) -> jax.Array:
+def _verdict(*leaves: jax.Array, size: int, chain: bool = False) -> jax.Array:
     """Whether every element of ``leaves`` is finite: one reduction per ``size`` leaves.
 
     A group of leaves is reduced over their concatenation; leaves of different
@@ -667,7 +685,9 @@ def _verdict(*leaves: jax.Array, size: int) -> jax.Array:
     a ViT step. It cannot see through a sort, so the chain never forms; and
     the minimum, not the sort's first element, is the verdict, because an
     element (a slice) would be copied into every select too (two instructions
-    each, ~3% of a small step).
+    each, ~3% of a small step). On a GPU (``chain=True``) the chain is what is
+    wanted: a fused kernel reads the few flags for free, where the stack, the
+    sort and the minimum were three kernels of their own (issue 41 part 2).
     """
     flags = []
     for i in range(0, len(leaves), size):
@@ -680,7 +700,11 @@ def _verdict(*leaves: jax.Array, size: int) -> jax.Array:
             {jnp.dtype(casting.wide_dtype(x.dtype)) for x in group}, key=lambda d: d.itemsize)
         flat = jnp.concatenate([jnp.ravel(x).astype(wide) for x in group])
         flags.append(jnp.all(jnp.isfinite(flat)))
-    return flags[0] if len(flags) == 1 else jnp.min(jax.lax.sort(jnp.stack(flags)))
+    if len(flags) == 1:
+        return flags[0]
+    if chain:
+        return functools.reduce(jnp.logical_and, flags)
+    return jnp.min(jax.lax.sort(jnp.stack(flags)))
 
 
 def all_finite(tree: PyTree, axis_name: Any = None) -> jax.Array:
@@ -717,7 +741,7 @@ def all_finite(tree: PyTree, axis_name: Any = None) -> jax.Array:
         # the concatenation's flags out instead (a byte per element, all
         # leaves at once: 1.05x the memory of a tiny ViT step), so the choice
         # is made when the program is lowered.
-        grouped = functools.partial(_verdict, size=_FINITE_GROUP)
+        grouped = functools.partial(_verdict, size=_FINITE_GROUP, chain=True)
         finite = jax.lax.platform_dependent(*leaves, cuda=grouped, rocm=grouped,
                                             default=functools.partial(_verdict, size=1))
     elif leaves:
