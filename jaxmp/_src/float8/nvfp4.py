@@ -190,14 +190,23 @@ def hadamard(seed: int) -> np.ndarray:
 
 def _transformed(x: jax.Array, seed: int) -> jax.Array:
     """``x`` (``(B, F, K)``) in float32, zero-padded to whole blocks along ``K``, each block
-    multiplied by :func:`hadamard` (exact sums of ``±x / 4`` in float32, no matrix product)."""
+    multiplied by :func:`hadamard` (exact sums of ``±x / 4`` in float32, no matrix product).
+
+    The fast Walsh-Hadamard transform, each stage elementwise: at stride ``h`` an element
+    whose position has bit ``h`` clear becomes ``x + partner``, one with it set
+    ``partner - x``, the partner (position xor ``h``) read by reversing pairs of runs of
+    ``h``. No stacking or concatenation, so XLA fuses the whole transform into the kernels
+    that read it (block amaxes, elements) instead of writing it in float32.
+    """
     xb = blocks.to_blocks(x.astype(jnp.float32), NV_BLOCK, 2)  # (B, F, K', 16)
     xb = xb * jnp.asarray(np.random.default_rng(seed).choice([-1.0, 1.0], NV_BLOCK), jnp.float32)
+    position = np.arange(NV_BLOCK)
     h = 1
-    while h < NV_BLOCK:  # the fast Walsh-Hadamard transform, in the order of hadamard()
+    while h < NV_BLOCK:  # in the order of hadamard(): lo + hi, lo - hi
         pairs = xb.reshape(*xb.shape[:3], NV_BLOCK // (2 * h), 2, h)
-        lo, hi = pairs[..., 0, :], pairs[..., 1, :]
-        xb = jnp.stack([lo + hi, lo - hi], axis=-2).reshape(xb.shape)
+        partner = lax.rev(pairs, (4,)).reshape(xb.shape)
+        high = jnp.asarray(position & h != 0)
+        xb = jnp.where(high, partner - xb, xb + partner)
         h *= 2
     return (xb * np.float32(1 / np.sqrt(NV_BLOCK))).reshape(*x.shape[:2], -1)
 
