@@ -315,7 +315,14 @@ def _row_elements(x, batch, free, contract, scales, g, seed) -> jax.Array:
 def _amax_and_scale(x, batch, free, contract):
     """``(block amaxes, per-tensor scale)`` of ``x`` in rows: the per-tensor amax is the
     largest block amax (exact), a reduction over the blocks, not a second pass over ``x``."""
-    amax = _row_amaxes(x, batch, free, contract)
+    return _with_scale(_row_amaxes(x, batch, free, contract))
+
+
+def _with_scale(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(amax, per-tensor scale)`` from block amaxes ``amax``. Behind an optimization
+    barrier: XLA merges a reduction of a reduction into one over the elements, which read
+    the operand a second time for its per-tensor amax."""
+    amax = lax.optimization_barrier(amax)
     return amax, global_scale(jnp.max(amax, initial=0))
 
 
@@ -390,8 +397,7 @@ def _nvfp4_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, options: NVF
     def forward(a, b):
         amax_a, ga = _amax_and_scale(a, ab, a_free, ac)
         if weight:
-            tiles = _tile_amaxes(blocks.rows(b, bb, b_free, bc))
-            gb = global_scale(jnp.max(tiles, initial=0))
+            tiles, gb = _with_scale(_tile_amaxes(blocks.rows(b, bb, b_free, bc)))
             qb, b_t = _weight(b, gb, bb, b_free, bc, tiles)
         else:
             amax_b, gb = _amax_and_scale(b, bb, b_free, bc)
