@@ -522,6 +522,35 @@ def test_nvfp4_on_h100_has_no_loop_or_widened_product():
     assert program.float8_native_share >= 0.99  # per-tensor float8 GEMMs
 
 
+_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1, "u8": 1, "s8": 1,
+          "f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 1, "f4e2m1fn": 0.5}
+
+
+def _smallest_output(type_: str) -> float:
+    """The bytes of the smallest array of an HLO result type (``(bf16[512]{0}, f32[])``)."""
+    return min(_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+               for dtype, dims in re.findall(r"\b(\w+)\[([\d,]*)\]", type_))
+
+
+@pytest.mark.gpu_program
+@needs_plugin
+def test_nvfp4_takes_each_amax_from_one_read_of_its_operand():
+    # Issue 42: an operand's per-tensor amax is the largest of its block amaxes (1 per 16
+    # elements), a reduction over those; before, every operand was read twice, once for its
+    # per-tensor amax (a kernel writing one value per 256 elements or fewer), once for its
+    # block amaxes. A 16x16 weight tile's amax XLA takes in two kernels of 1 in 16 each; a
+    # block amax may be float32 of a bfloat16 operand's transform (1 byte in 32 read).
+    from benchmarks import gpu_program as bench
+    program = _mlp_step("nvfp4_jaxmp", "b200")
+    ops = bench.kernel_ops(program.text)
+    amaxes = [(k.name, k.read, _smallest_output(ops[k.name][0].type)) for k in program.kernels
+              if not k.products and any(op.opcode == "reduce" and op.op_name.endswith(
+                  "reduce_max") for op in ops.get(k.name, []))]
+    assert len([a for a in amaxes if a[1] >= 8192]) >= 4, amaxes  # the blocks' own
+    whole = [a for a in amaxes if a[1] >= 8192 and a[1] > 48 * a[2]]
+    assert not whole, whole
+
+
 # Part 5: jaxmp's default as lean as a hand-written bfloat16 step.
 @pytest.mark.gpu_program
 @needs_plugin

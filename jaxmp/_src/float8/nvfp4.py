@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -84,11 +85,16 @@ def global_scale(amax: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(amax), g, np.float32(np.nan))
 
 
-def stochastic_bits(x: jax.Array, seed: int) -> jax.Array:
+def stochastic_bits(x: jax.Array, seed: int, index: jax.Array | None = None) -> jax.Array:
     """Reproducible random ``uint32`` bits, one per element of ``x``: a hash (MurmurHash3's
-    finaliser) of the element's float32 bits, its position and ``seed``."""
+    finaliser) of the element's float32 bits, its position and ``seed``.
+
+    The position is the element's index in ``x`` read in order, or ``index`` (``uint32``,
+    ``x``'s shape) where given: the position in the array ``x`` was laid out from.
+    """
     bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-    index = lax.iota(jnp.uint32, x.size).reshape(x.shape)
+    if index is None:
+        index = lax.iota(jnp.uint32, x.size).reshape(x.shape)
     h = bits ^ (index * np.uint32(0x9E3779B9)) ^ np.uint32(seed & 0xFFFFFFFF)
     h = (h ^ (h >> 16)) * np.uint32(0x85EBCA6B)
     h = (h ^ (h >> 13)) * np.uint32(0xC2B2AE35)
@@ -109,15 +115,28 @@ def _round_float4(v: jax.Array, random_bits: jax.Array | None) -> jax.Array:
     return (jnp.sign(v) * jnp.minimum(low + step * up, np.float32(_FP4_MAX))).astype(NV_DTYPE)
 
 
-def _encode(x: jax.Array, amax: jax.Array, g: jax.Array, seed: int | None):
-    """Elements and ``float8_e4m3fn`` scales of blocks ``x`` whose amaxes are ``amax``
-    (broadcast against ``x``), under the per-tensor scale ``g``; ``seed``: stochastic."""
-    scales = (amax.astype(jnp.float32) / np.float32(_FP4_MAX) / g).astype(NV_SCALE_DTYPE)
+def _scales(amax: jax.Array, g: jax.Array) -> jax.Array:
+    """The ``float8_e4m3fn`` scales of blocks whose amaxes are ``amax``, under the per-tensor
+    scale ``g``: ``amax / 6 / g``, rounded to nearest."""
+    return (amax.astype(jnp.float32) / np.float32(_FP4_MAX) / g).astype(NV_SCALE_DTYPE)
+
+
+def _elements(x: jax.Array, scales: jax.Array, g: jax.Array, bits: jax.Array | None
+              ) -> jax.Array:
+    """The float4 elements of blocks ``x`` given their ``scales`` (broadcast against ``x``),
+    under the per-tensor scale ``g``; ``bits``: stochastic (:func:`_round_float4`)."""
     decode = scales.astype(jnp.float32) * g
     v = x.astype(jnp.float32) / jnp.where(decode > 0, decode, np.float32(1))
     v = jnp.clip(jnp.where(decode > 0, v, np.float32(0)), -_FP4_MAX, _FP4_MAX)
+    return _round_float4(v, bits)
+
+
+def _encode(x: jax.Array, amax: jax.Array, g: jax.Array, seed: int | None):
+    """Elements and ``float8_e4m3fn`` scales of blocks ``x`` whose amaxes are ``amax``
+    (broadcast against ``x``), under the per-tensor scale ``g``; ``seed``: stochastic."""
+    scales = _scales(amax, g)
     bits = None if seed is None else stochastic_bits(x, seed)
-    return _round_float4(v, bits), scales
+    return _elements(x, scales, g, bits), scales
 
 
 def nv_quantize(x: jax.Array, g: jax.Array, axis: int = -1, seed: int | None = None
@@ -171,14 +190,23 @@ def hadamard(seed: int) -> np.ndarray:
 
 def _transformed(x: jax.Array, seed: int) -> jax.Array:
     """``x`` (``(B, F, K)``) in float32, zero-padded to whole blocks along ``K``, each block
-    multiplied by :func:`hadamard` (exact sums of ``±x / 4`` in float32, no matrix product)."""
+    multiplied by :func:`hadamard` (exact sums of ``±x / 4`` in float32, no matrix product).
+
+    The fast Walsh-Hadamard transform, each stage elementwise: at stride ``h`` an element
+    whose position has bit ``h`` clear becomes ``x + partner``, one with it set
+    ``partner - x``, the partner (position xor ``h``) read by reversing pairs of runs of
+    ``h``. No stacking or concatenation, so XLA fuses the whole transform into the kernels
+    that read it (block amaxes, elements) instead of writing it in float32.
+    """
     xb = blocks.to_blocks(x.astype(jnp.float32), NV_BLOCK, 2)  # (B, F, K', 16)
     xb = xb * jnp.asarray(np.random.default_rng(seed).choice([-1.0, 1.0], NV_BLOCK), jnp.float32)
+    position = np.arange(NV_BLOCK)
     h = 1
-    while h < NV_BLOCK:  # the fast Walsh-Hadamard transform, in the order of hadamard()
+    while h < NV_BLOCK:  # in the order of hadamard(): lo + hi, lo - hi
         pairs = xb.reshape(*xb.shape[:3], NV_BLOCK // (2 * h), 2, h)
-        lo, hi = pairs[..., 0, :], pairs[..., 1, :]
-        xb = jnp.stack([lo + hi, lo - hi], axis=-2).reshape(xb.shape)
+        partner = lax.rev(pairs, (4,)).reshape(xb.shape)
+        high = jnp.asarray(position & h != 0)
+        xb = jnp.where(high, partner - xb, xb + partner)
         h *= 2
     return (xb * np.float32(1 / np.sqrt(NV_BLOCK))).reshape(*x.shape[:2], -1)
 
@@ -254,10 +282,57 @@ def _scaled(qa, qb, g: jax.Array, dtype) -> jax.Array:
     return blocks.matmul(*qa, *qb, dtype, NV_BLOCK) * g.astype(dtype)
 
 
-def _operand(x, g, batch, free, contract, seed):
-    """``x`` as ``(B, F, K)`` NVFP4 elements and scales in blocks of 16 along ``K``."""
-    quantize = functools.partial(nv_quantize, g=g, seed=seed)
-    return blocks.quantized_rows(quantize, x, batch, free, contract, NV_BLOCK)
+def _row_amaxes(x, batch, free, contract) -> jax.Array:
+    """The amaxes ``(B, F, K')`` of ``rows(x, batch, free, contract)`` in blocks of 16 along
+    ``K``, in ``x``'s dtype: taken where ``x`` lies when the blocks lie within its last
+    contracting dimension (no transposed copy of ``|x|``), and only they laid out as rows."""
+    last = contract[-1]
+    if x.shape[last] % NV_BLOCK:
+        return jnp.max(jnp.abs(blocks.to_blocks(blocks.rows(x, batch, free, contract),
+                                                NV_BLOCK, 2)), axis=3)
+    amax = jnp.max(jnp.abs(blocks.to_blocks(x, NV_BLOCK, last)), axis=last + 1)
+    return blocks.rows(amax, batch, free, contract)
+
+
+def _row_elements(x, batch, free, contract, scales, g, seed) -> jax.Array:
+    """The float4 elements of ``rows(x, batch, free, contract)`` given their ``scales``
+    (``(B, F, K')``): one elementwise pass that reads ``x`` and writes the ``(B, F, K)``
+    layout cuDNN reads. With ``seed``, each element's random bits hash its position as
+    :func:`nv_quantize` numbers it: in ``x`` when its blocks lie within ``x``'s last
+    contracting dimension (:func:`blocks.quantized_rows`), else in the padded rows."""
+    r = blocks.rows(x, batch, free, contract)
+    rb = blocks.to_blocks(r, NV_BLOCK, 2)  # (B, F, K', 16)
+    bits = None
+    if seed is not None and x.shape[contract[-1]] % NV_BLOCK:
+        bits = stochastic_bits(rb, seed)
+    elif seed is not None:
+        index = lax.iota(jnp.uint32, x.size).reshape(x.shape)
+        index = blocks.rows(index, batch, free, contract).reshape(rb.shape)
+        bits = stochastic_bits(rb, seed, index)
+    return blocks.from_blocks(_elements(rb, scales[..., None], g, bits), r.shape[2], 2)
+
+
+def _amax_and_scale(x, batch, free, contract):
+    """``(block amaxes, per-tensor scale)`` of ``x`` in rows: the per-tensor amax is the
+    largest block amax (exact), a reduction over the blocks, not a second pass over ``x``."""
+    return _with_scale(_row_amaxes(x, batch, free, contract))
+
+
+def _with_scale(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(amax, per-tensor scale)`` from block amaxes ``amax``. Behind an optimization
+    barrier: XLA merges a reduction of a reduction into one over the elements, which read
+    the operand a second time for its per-tensor amax."""
+    amax = lax.optimization_barrier(amax)
+    return amax, global_scale(jnp.max(amax, initial=0))
+
+
+def _operand(x, g, batch, free, contract, seed, amax=None):
+    """``x`` as ``(B, F, K)`` NVFP4 elements and scales in blocks of 16 along ``K``: the
+    numbers of :func:`nv_quantize` of its rows (``amax``: its :func:`_row_amaxes`, given)."""
+    if amax is None:
+        amax = _row_amaxes(x, batch, free, contract)
+    scales = _scales(amax, g)
+    return _row_elements(x, batch, free, contract, scales, g, seed), scales
 
 
 def _weight_gradient_operand(x, g, batch, free, contract, options: NVFP4, seed):
@@ -273,14 +348,26 @@ def _weight_gradient_operand(x, g, batch, free, contract, options: NVFP4, seed):
     return nv_quantize(t, g, seed=seed), g
 
 
-def _weight(b, g, batch, free, contract):
+def _tile_amaxes(r: jax.Array) -> jax.Array:
+    """The amaxes ``(B, N', K')`` of the 16x16 tiles (zero-padded) of ``r`` (``(B, N, K)``)."""
+    tiles = blocks.to_blocks(blocks.to_blocks(r, NV_BLOCK, 2), NV_BLOCK, 1)  # (B,N',16,K',16)
+    return jnp.max(jnp.abs(tiles), axis=(2, 4))
+
+
+def _weight(b, g, batch, free, contract, amax=None):
     """The forward and input-gradient operands of a weight ``b``, from one quantization in
-    16x16 tiles (:func:`tile_quantize`): the same elements and scales, transposed."""
-    q, tiles = tile_quantize(blocks.rows(b, batch, free, contract), g)
-    forward = (q, _tile_scales_along_k(tiles, q.shape[1]))
-    backward = (jnp.swapaxes(q, 1, 2),
-                _tile_scales_along_k(jnp.swapaxes(tiles, 1, 2), q.shape[2]))
-    return forward, backward
+    16x16 tiles (the numbers of :func:`tile_quantize`; ``amax``: its :func:`_tile_amaxes`,
+    given): the same scales, and the same elements rounded from them twice, each in the
+    layout its product reads (a transposed float4 copy took a kernel of its own)."""
+    if amax is None:
+        amax = _tile_amaxes(blocks.rows(b, batch, free, contract))
+    tiles = _scales(amax, g)
+    n, k = (math.prod(b.shape[d] for d in dims) for dims in (free, contract))
+    forward_scales = _tile_scales_along_k(tiles, n)
+    backward_scales = _tile_scales_along_k(jnp.swapaxes(tiles, 1, 2), k)
+    forward = _row_elements(b, batch, free, contract, forward_scales, g, None)
+    backward = _row_elements(b, batch, contract, free, backward_scales, g, None)
+    return (forward, forward_scales), (backward, backward_scales)
 
 
 def _nvfp4_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, options: NVFP4):
@@ -293,7 +380,8 @@ def _nvfp4_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, options: NVF
     gradient (``a . ct``) takes both in blocks along ``a``'s free dimensions,
     after the Hadamard transform. Every product writes the compute dtype
     (:func:`scaling.product_dtype`), then is cast to the dtype of the operand it
-    differentiates.
+    differentiates. Each operand's per-tensor scale comes from the block amaxes
+    of its first quantization (:func:`_amax_and_scale`).
     """
     del matmul_dtype  # float4_e2m1fn, checked by the table
     dtype = scaling.product_dtype(out_dtype)
@@ -307,20 +395,24 @@ def _nvfp4_dot(a, b, *, dimension_numbers, matmul_dtype, out_dtype, options: NVF
         return forward(a, b)[0]
 
     def forward(a, b):
-        ga, gb = global_scale(scaling.amax(a)), global_scale(scaling.amax(b))
+        amax_a, ga = _amax_and_scale(a, ab, a_free, ac)
         if weight:
-            qb, b_t = _weight(b, gb, bb, b_free, bc)
+            tiles, gb = _with_scale(_tile_amaxes(blocks.rows(b, bb, b_free, bc)))
+            qb, b_t = _weight(b, gb, bb, b_free, bc, tiles)
         else:
-            qb, b_t = _operand(b, gb, bb, b_free, bc, None), _operand(b, gb, bb, bc, b_free, None)
-        out = _scaled(_operand(a, ga, ab, a_free, ac, None), qb, ga * gb, dtype)
+            amax_b, gb = _amax_and_scale(b, bb, b_free, bc)
+            qb = _operand(b, gb, bb, b_free, bc, None, amax_b)
+            b_t = _operand(b, gb, bb, bc, b_free, None)
+        out = _scaled(_operand(a, ga, ab, a_free, ac, None, amax_a), qb, ga * gb, dtype)
         shape = [a.shape[d] for d in (*ab, *a_free)] + [b.shape[d] for d in b_free]
         a_t = _weight_gradient_operand(a, ga, ab, ac, a_free, options, None)
         return out.reshape(shape).astype(out_dtype), (a_t, b_t, gb)
 
     def backward(residuals, ct):
         (a_t, ga_t), b_t, gb = residuals
-        gc = global_scale(scaling.amax(ct))
-        da = _scaled(_operand(ct, gc, ct_batch, ct_a, ct_b, stochastic), b_t, gc * gb, dtype)
+        amax_c, gc = _amax_and_scale(ct, ct_batch, ct_a, ct_b)
+        qc = _operand(ct, gc, ct_batch, ct_a, ct_b, stochastic, amax_c)
+        da = _scaled(qc, b_t, gc * gb, dtype)
         c_t, gc_t = _weight_gradient_operand(ct, gc, ct_batch, ct_b, ct_a, options, stochastic)
         db = _scaled(a_t, c_t, ga_t * gc_t, dtype)
         return (blocks.from_rows(da, a.shape, [*ab, *a_free, *ac], a.dtype),
