@@ -466,7 +466,8 @@ def parse_args(argv):
     args.variants = ["bfloat16"] + [v for v in VARIANTS[1:] if v in args.variants.split(",")]
     if args.quick:
         args.models = [m for m in args.models if m != "vit_desktop"]
-        args.vit_steps = args.lm_steps = 25
+        args.vit_steps = 25
+        args.lm_steps = min(args.lm_steps, 25)
         args.seeds = 1
         args.tiny_batch, args.lm_batch, args.lm_seq_len = 32, 8, 32
         args.lm_width, args.lm_layers, args.lm_heads = 32, 1, 2
