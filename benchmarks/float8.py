@@ -12,6 +12,15 @@ each variant,
 * ``mxfp8``: ``float8`` with ``float8_scaling="mxfp8"`` (one power-of-two
   scale per block of 32 elements along each product's contracting
   dimension, forward and backward, OCP MXFP8),
+* ``nvfp4``: ``matmul_dtype=jnp.float4_e2m1fn`` with
+  ``float8_scaling=jaxmp.experimental.NVFP4(...)`` (NVIDIA's 4-bit recipe:
+  e4m3 scales per 16 elements, a float32 scale per tensor), every switch on
+  and the output projection kept in bfloat16 with attention's batched
+  products (``NVFP4.keep``, by the output width, as ``float8_head_bf16``
+  finds it: the Haiku model has no ``head`` scope); and the same with one
+  switch off each: ``nvfp4_1d_weights`` (``weight_blocks_2d=False``),
+  ``nvfp4_no_hadamard``, ``nvfp4_nearest`` (``stochastic_rounding=False``)
+  and ``nvfp4_keep_none`` (``keep=Float8Rules()``: every product in float4),
 
 it records, for the whole training step (gradient + ``jaxmp.optimizer_update``
 with Adam):
@@ -45,6 +54,9 @@ Usage::
     python -m benchmarks.float8 --out results/float8-quick --quick
     python -m benchmarks.float8 --out results/mxfp8 --models vit_tiny,transformer_lm \
         --variants bfloat16,float8,mxfp8 --repeats 3
+    python -m benchmarks.float8 --out results/nvfp4 --models transformer_lm --no-static \
+        --variants float8,mxfp8,nvfp4,nvfp4_1d_weights,nvfp4_no_hadamard,nvfp4_nearest,\
+nvfp4_keep_none
 """
 
 from __future__ import annotations
@@ -67,10 +79,16 @@ import jaxmp
 from benchmarks import models
 from benchmarks import vit as vit_bench
 
-VARIANTS = ("bfloat16", "float8", "float8_head_bf16", "mxfp8")
+# NVFP4 with all its switches, then with each turned off in turn: NVFP4's options per variant.
+NVFP4_SWITCHES = {"nvfp4": {}, "nvfp4_1d_weights": {"weight_blocks_2d": False},
+                  "nvfp4_no_hadamard": {"hadamard": False},
+                  "nvfp4_nearest": {"stochastic_rounding": False},
+                  "nvfp4_keep_none": {"keep": None}}
+VARIANTS = ("bfloat16", "float8", "float8_head_bf16", "mxfp8") + tuple(NVFP4_SWITCHES)
 TRAIN_VARIANTS = ("float32",) + VARIANTS
 COMPUTE_DTYPE = jnp.bfloat16
 E4M3 = jnp.float8_e4m3fn
+F4 = jnp.float4_e2m1fn
 
 
 class Model(NamedTuple):
@@ -84,6 +102,11 @@ class Model(NamedTuple):
     outputs: int  # classes or vocabulary: the output projection's width
 
 
+def is_head(model: Model) -> Callable:
+    """Whether a product is the output projection: a weight whose width is the model's output."""
+    return lambda p: p.rhs_shape[-1] == model.outputs and len(p.rhs_shape) == 2
+
+
 def float8_options(model: Model, variant: str) -> tuple[Any, Any]:
     """``(matmul_dtype, float8_rules)`` of a variant; ``float8_head_bf16`` keeps the output
     projection (the product whose result has the model's output width) in bfloat16."""
@@ -91,9 +114,9 @@ def float8_options(model: Model, variant: str) -> tuple[Any, Any]:
         return None, None
     if variant in ("float8", "mxfp8"):
         return E4M3, None
-    head = jaxmp.experimental.Float8Rules(keep_if=lambda p: p.rhs_shape[-1] == model.outputs
-                                          and len(p.rhs_shape) == 2)
-    return E4M3, head
+    if variant in NVFP4_SWITCHES:  # the products kept: NVFP4.keep's rules
+        return F4, None
+    return E4M3, jaxmp.experimental.Float8Rules(keep_if=is_head(model))
 
 
 def vit_model(config_name: str, batch_size: int, seed: int = 0) -> Model:
@@ -125,15 +148,30 @@ def transformer_model(batch_size: int, seq_len: int, width: int, layers: int, he
                  optimizer, len(corpus.vocab)), corpus
 
 
-def float8_scaling(variant: str) -> str:
-    """The ``float8_scaling`` of a variant: ``"mxfp8"`` for ``mxfp8``, else ``"tensor"``."""
+def float8_scaling(variant: str, model: Model | None = None) -> Any:
+    """The ``float8_scaling`` of a variant: ``"mxfp8"`` for ``mxfp8``, an ``NVFP4`` for the
+    ``nvfp4`` variants, else ``"tensor"``.
+
+    NVFP4 keeps attention's batched products and ``model``'s output projection in bfloat16
+    (the recipe's rule; the Haiku model's head has no ``head`` scope to name), but for
+    ``nvfp4_keep_none``, which keeps none.
+    """
+    if variant in NVFP4_SWITCHES:
+        options = dict(NVFP4_SWITCHES[variant])
+        if "keep" in options:
+            options["keep"] = jaxmp.experimental.Float8Rules()
+        elif model is not None:
+            head = is_head(model)
+            options["keep"] = jaxmp.experimental.Float8Rules(
+                keep_if=lambda p: p.batched or head(p))
+        return jaxmp.experimental.NVFP4(**options)
     return "mxfp8" if variant == "mxfp8" else "tensor"
 
 
 def autocast_loss(model: Model, variant: str) -> Callable:
     matmul_dtype, rules = float8_options(model, variant)
     return jaxmp.autocast(model.loss, COMPUTE_DTYPE, matmul_dtype=matmul_dtype,
-                          float8_rules=rules, float8_scaling=float8_scaling(variant))
+                          float8_rules=rules, float8_scaling=float8_scaling(variant, model))
 
 
 def make_step(model: Model, variant: str) -> tuple[Callable, Callable]:
@@ -152,7 +190,7 @@ def make_step(model: Model, variant: str) -> tuple[Callable, Callable]:
     elif rules is None:
         grad_fn = jaxmp.mp_value_and_grad(model.loss, compute_dtype=COMPUTE_DTYPE, autocast=True,
                                           matmul_dtype=matmul_dtype,
-                                          float8_scaling=float8_scaling(variant))
+                                          float8_scaling=float8_scaling(variant, model))
     else:
         grad_fn = jaxmp.mp_value_and_grad(autocast_loss(model, variant),
                                           compute_dtype=COMPUTE_DTYPE, autocast=True)
@@ -172,9 +210,11 @@ def make_step(model: Model, variant: str) -> tuple[Callable, Callable]:
 
 
 def share_totals(flops: dict[str, int]) -> dict[str, float]:
-    """Total, float8 and low-precision (float8, bfloat16, float16) FLOPs of ``matmul_flops`` counts."""
+    """Total, float8 (float4 included) and low-precision (those, bfloat16, float16) FLOPs of
+    ``matmul_flops`` counts."""
     total = sum(flops.values())
-    float8 = sum(v for k, v in flops.items() if all(p.startswith("float8") for p in k.split("+")))
+    float8 = sum(v for k, v in flops.items()
+                 if all(p.startswith(("float8", "float4")) for p in k.split("+")))
     low = float8 + flops.get("bfloat16", 0) + flops.get("float16", 0)
     return {"total": total, "float8": float8, "low": low}
 
@@ -426,7 +466,8 @@ def parse_args(argv):
     args.variants = ["bfloat16"] + [v for v in VARIANTS[1:] if v in args.variants.split(",")]
     if args.quick:
         args.models = [m for m in args.models if m != "vit_desktop"]
-        args.vit_steps = args.lm_steps = 25
+        args.vit_steps = 25
+        args.lm_steps = min(args.lm_steps, 25)
         args.seeds = 1
         args.tiny_batch, args.lm_batch, args.lm_seq_len = 32, 8, 32
         args.lm_width, args.lm_layers, args.lm_heads = 32, 1, 2

@@ -2,9 +2,12 @@
 
 import json
 
+import jax.numpy as jnp
 import pytest
 
+import jaxmp
 from benchmarks import float8 as bench
+from jaxmp._src.float8.rules import Product
 
 
 @pytest.mark.slow  # about three minutes on 2 busy CPU cores (compiles and trains two models 4 ways)
@@ -57,3 +60,38 @@ def test_variants_option_selects_and_checks_variants():
     assert args.variants == ["bfloat16", "float8", "mxfp8"]  # bfloat16: the reference
     with pytest.raises(SystemExit):
         bench.parse_args(["--out", "x", "--variants", "mxfp4"])
+
+
+def test_nvfp4_variants_turn_one_switch_off_each():
+    model = bench.Model("m", None, None, (), None, outputs=10)
+    on = bench.float8_scaling("nvfp4", model)
+    assert isinstance(on, jaxmp.experimental.NVFP4)
+    assert on.weight_blocks_2d and on.hadamard and on.stochastic_rounding
+    # The model's output projection (width 10) and attention's batched products are kept.
+    product = lambda rhs, batched=False: Product("dot_general", (4, 8), rhs, 64, "", batched)
+    assert on.keep.keeps(product((8, 10))) and on.keep.keeps(product((4, 8, 8), True))
+    assert not on.keep.keeps(product((8, 12)))
+    off = {v: bench.float8_scaling(v, model) for v in bench.NVFP4_SWITCHES if v != "nvfp4"}
+    assert not off["nvfp4_1d_weights"].weight_blocks_2d and not off["nvfp4_no_hadamard"].hadamard
+    assert not off["nvfp4_nearest"].stochastic_rounding
+    assert off["nvfp4_keep_none"].keep == jaxmp.experimental.Float8Rules()
+    for variant, options in off.items():  # every other switch as nvfp4 has it
+        differ = [f for f in ("weight_blocks_2d", "hadamard", "stochastic_rounding")
+                  if getattr(options, f) != getattr(on, f)]
+        keeps_head = options.keep.keeps(product((8, 10)))
+        assert len(differ) + (not keeps_head) == 1, (variant, differ)
+    assert bench.float8_options(model, "nvfp4_nearest") == (jnp.float4_e2m1fn, None)
+
+
+@pytest.mark.slow  # about 40 s on 2 busy cores: compiles the smallest LM's step three ways
+def test_nvfp4_rows_train_the_smallest_language_model(tmp_path):
+    results = bench.main(["--out", str(tmp_path), "--quick", "--models", "transformer_lm",
+                          "--no-static", "--no-float32", "--lm-steps", "4",
+                          "--variants", "nvfp4,nvfp4_keep_none"])
+    run = results["training"]["transformer_lm"]
+    assert set(run["mean_final_train_loss"]) == {"bfloat16", "nvfp4", "nvfp4_keep_none"}
+    assert run["nonfinite_losses"] == 0
+    assert abs(run["ratio_to_bfloat16"]["nvfp4"] - 1) < 0.05
+    (seed,) = run["seeds"]  # keeping the head and attention changes the numbers
+    assert seed["nvfp4"]["final_train_loss"] != seed["nvfp4_keep_none"]["final_train_loss"]
+    assert "| transformer_lm | 4 x 1 | nvfp4_keep_none |" in (tmp_path / "results.md").read_text()

@@ -168,7 +168,7 @@ def prepare_call(fn: Callable, compute_dtype: Any, use_mixed_precision: bool, au
     from jaxmp._src import float8  # pylint: disable=g-import-not-at-top
 
     matmul_dtype = float8.check_matmul_dtype(matmul_dtype, compute_dtype)
-    recipe = float8.check_scaling(float8_scaling, matmul_dtype)
+    float8.check_scaling(float8_scaling, matmul_dtype)
     if matmul_dtype is not None and not autocast:
         raise ValueError(
             f"matmul_dtype={matmul_dtype.name} needs autocast=True: float8 products are "
@@ -195,7 +195,8 @@ def prepare_call(fn: Callable, compute_dtype: Any, use_mixed_precision: bool, au
 
         rules = {} if autocast_rules is None else {"rules": autocast_rules}
         return autocast_lib.autocast(fn, compute_dtype=compute_dtype, matmul_dtype=matmul_dtype,
-                                     float8_scaling=recipe.name, **rules), None
+                                     float8_scaling=float8_scaling,  # the options too (NVFP4)
+                                     **rules), None
     return fn, compute_dtype
 
 
