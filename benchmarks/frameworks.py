@@ -207,9 +207,18 @@ class Setup(NamedTuple):
 # ---------------------------------------------------------------------------
 
 
+# The float8 cells ask for every product in float8, the convolutions and attention's scores
+# and probabilities too, which autocast keeps in the compute dtype by default (float8 does not
+# pay for them on an H100, docs/float8.md): the cells check that each framework's products can
+# all run in float8 (tests/test_float8.py checks the default placement).
+FLOAT8_EVERYWHERE = jaxmp.experimental.Float8Rules(include={"attention", "convolution"})
+
+
 def _grad_fn(loss_fn, variant: Variant, **options):
     if variant.compute_dtype is None:
         return jaxmp.mp_value_and_grad(loss_fn, use_mixed_precision=False, **options)
+    if variant.matmul_dtype is not None:
+        options["float8_rules"] = FLOAT8_EVERYWHERE
     return jaxmp.mp_value_and_grad(loss_fn, compute_dtype=variant.compute_dtype,
                                    matmul_dtype=variant.matmul_dtype, **options)
 

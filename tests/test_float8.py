@@ -661,6 +661,26 @@ def test_kept_products_count_in_the_share_and_are_no_shortfall():
     assert share_all == 1.0
 
 
+def test_mp_value_and_grad_takes_float8_rules():
+    """``float8_rules=`` reaches the autocast of ``mp_value_and_grad`` (the default keeps the
+    attention products in bfloat16, ``include`` asks for them), and needs a float8
+    ``matmul_dtype``."""
+    import warnings  # pylint: disable=g-import-not-at-top
+    loss, params, x = _attention_block()
+    every = jaxmp.experimental.Float8Rules(include={"attention"})
+    shares = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jaxmp.experimental.Float8PlacementWarning)
+        for rules in (None, every):
+            step = jaxmp.mp_value_and_grad(loss, compute_dtype=jnp.bfloat16,
+                                           matmul_dtype=jnp.float8_e4m3fn, float8_rules=rules)
+            shares.append(jaxmp.debug.float8_matmul_flop_share(
+                lambda p, x: step(p, x, scaler_state=jaxmp.noop_scaler())[1], params, x))
+    assert shares == [0.75, 1.0]
+    with pytest.raises(ValueError, match="float8_rules= says which matrix products"):
+        jaxmp.mp_value_and_grad(loss, compute_dtype=jnp.bfloat16, float8_rules=every)
+
+
 def test_stacked_weights_of_a_scan_are_read_from_the_inputs():
     """Under ``lax.scan`` over stacked weights, the sliced weight is still a parameter (its
     product in float8) and the carry an activation (its product with a computed activation,

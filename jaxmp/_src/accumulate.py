@@ -184,6 +184,7 @@ def accumulate_value_and_grad(
     reduce_dtype: Any = None,
     matmul_dtype: Any = None,
     float8_scaling: str = "tensor",
+    float8_rules: Any = None,
 ) -> Callable:
     """Like :func:`jaxmp.mp_value_and_grad`, accumulated over micro-batches.
 
@@ -258,6 +259,7 @@ def accumulate_value_and_grad(
             (default), ``"mxfp8"`` (block-scaled float8 products, with
             ``matmul_dtype=jnp.float8_e4m3fn``) or ``"nvfp4"`` (4-bit products,
             with ``matmul_dtype=jnp.float4_e2m1fn``).
+        float8_rules: as in :func:`jaxmp.mp_value_and_grad`.
 
     Returns:
         A function returning ``(loss, grads, scaler_state, finite)``, or
@@ -299,7 +301,8 @@ def accumulate_value_and_grad(
         fn, api="jaxmp.accumulate_value_and_grad", argnums=argnums,
         no_cast_argnums=no_cast_argnums, has_aux=has_aux, compute_dtype=compute_dtype,
         use_mixed_precision=use_mixed_precision, axis_name=axis_name, autocast=autocast,
-        reduce_dtype=reduce_dtype, matmul_dtype=matmul_dtype, float8_scaling=float8_scaling)
+        reduce_dtype=reduce_dtype, matmul_dtype=matmul_dtype, float8_scaling=float8_scaling,
+        float8_rules=float8_rules)
     batch_nums = None if batch_argnums is None else kernel.int_tuple(batch_argnums,
                                                                      "batch_argnums")
 

@@ -24,6 +24,7 @@ def mp_value_and_grad(
     matmul_dtype: Any = None,
     float8_scaling: str = "tensor",
     autocast_rules: Any = None,
+    float8_rules: Any = None,
 ) -> Callable:
     """Like ``jax.value_and_grad``, in mixed precision with loss scaling.
 
@@ -123,7 +124,8 @@ def mp_value_and_grad(
             MXFP8, ``matmul_dtype=jnp.float8_e4m3fn``); ``"nvfp4"`` (or a
             :class:`jaxmp.experimental.NVFP4`), NVIDIA's 4-bit recipe
             (``matmul_dtype=jnp.float4_e2m1fn``); ``"delayed"``, one scale per
-            tensor from an amax history of the last steps: the function then takes ``float8_state=`` (from
+            tensor from an amax history of the last steps: the function then
+            takes ``float8_state=`` (from
             :func:`jaxmp.experimental.init_float8_state`) and returns it updated
             as a fifth value (``docs/float8.md``, "Delayed scaling").
         autocast_rules: with ``autocast=True``, a :class:`jaxmp.AutocastRules`:
@@ -132,6 +134,12 @@ def mp_value_and_grad(
             jaxmp.autocast.FULL_PRECISION | {"tanh"})`` to run ``tanh`` in
             float32. ``None`` (default): ``jaxmp.AutocastRules()``. With
             ``autocast=False`` it raises a ``ValueError``.
+        float8_rules: with a float8 ``matmul_dtype``, a
+            :class:`jaxmp.experimental.Float8Rules`: which matrix products run in
+            float8 (``jaxmp.autocast``'s ``float8_rules``), e.g.
+            ``Float8Rules(include={"convolution"})`` for the float8 convolutions
+            kept in the compute dtype by default. ``None`` (default): the
+            recipe's rules. Without ``matmul_dtype`` it raises a ``ValueError``.
 
     Returns:
         A function returning ``(loss, grads, scaler_state, finite)``, or
@@ -165,7 +173,7 @@ def mp_value_and_grad(
         has_aux=has_aux, compute_dtype=compute_dtype, use_mixed_precision=use_mixed_precision,
         axis_name=axis_name, autocast=autocast,
         reduce_dtype=reduce_dtype, matmul_dtype=matmul_dtype, float8_scaling=float8_scaling,
-        autocast_rules=autocast_rules)
+        autocast_rules=autocast_rules, float8_rules=float8_rules)
 
     @kernel.wraps_adding_scaler_state(fn)
     def value_and_grad_fn(*args, scaler_state=kernel.REQUIRED, **kwargs):

@@ -152,15 +152,16 @@ def split_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
 
 def prepare_call(fn: Callable, compute_dtype: Any, use_mixed_precision: bool, autocast: bool,
                  matmul_dtype: Any = None, float8_scaling: str = "tensor",
-                 autocast_rules: Any = None):
+                 autocast_rules: Any = None, float8_rules: Any = None):
     """Checks ``compute_dtype`` and returns ``(call, input_dtype)`` for a gradient step.
 
     ``call`` is the function to differentiate; ``input_dtype`` is the dtype its
     floating inputs are cast to, or ``None`` when ``autocast`` chooses the
     precision of each operation itself. ``matmul_dtype`` (a float8 dtype),
-    ``float8_scaling`` (its recipe) and ``autocast_rules`` (a
-    :class:`jaxmp.AutocastRules`, or ``None`` for the defaults) go to autocast,
-    which they need.
+    ``float8_scaling`` (its recipe), ``float8_rules`` (a
+    :class:`jaxmp.experimental.Float8Rules`, or ``None`` for the recipe's) and
+    ``autocast_rules`` (a :class:`jaxmp.AutocastRules`, or ``None`` for the
+    defaults) go to autocast, which they need.
     """
     compute_dtype = casting.canonical_float_dtype(
         compute_dtype, allowed=casting.COMPUTE_DTYPES, what="compute_dtype"
@@ -173,6 +174,11 @@ def prepare_call(fn: Callable, compute_dtype: Any, use_mixed_precision: bool, au
         raise ValueError(
             f"matmul_dtype={matmul_dtype.name} needs autocast=True: float8 products are "
             "placed per operation by jaxmp.autocast (casting the inputs cannot do it).")
+    if float8_rules is not None and matmul_dtype is None:
+        raise ValueError(
+            "float8_rules= says which matrix products run in float8, but matmul_dtype is None "
+            "(products in the compute dtype). Pass matmul_dtype=jnp.float8_e4m3fn with "
+            "float8_rules, or drop float8_rules.")
     if autocast_rules is not None:
         from jaxmp._src.autocast import rules as rules_lib  # pylint: disable=g-import-not-at-top
 
@@ -194,6 +200,8 @@ def prepare_call(fn: Callable, compute_dtype: Any, use_mixed_precision: bool, au
         from jaxmp._src import autocast as autocast_lib  # pylint: disable=g-import-not-at-top
 
         rules = {} if autocast_rules is None else {"rules": autocast_rules}
+        if float8_rules is not None:
+            rules["float8_rules"] = float8_rules
         return autocast_lib.autocast(fn, compute_dtype=compute_dtype, matmul_dtype=matmul_dtype,
                                      float8_scaling=float8_scaling,  # the options too (NVFP4)
                                      **rules), None
@@ -346,6 +354,7 @@ class Step:
         float8_scaling: str = "tensor",
         check_share: bool = True,
         autocast_rules: Any = None,
+        float8_rules: Any = None,
     ) -> "Step":
         """Validates the options of ``api`` (e.g. ``"jaxmp.mp_value_and_grad"``);
         ``check_share=False`` leaves out the trace-time count of the products by dtype (see
@@ -362,7 +371,8 @@ class Step:
                 "uncast. Remove it from one of them."
             )
         call, input_dtype = prepare_call(fn, compute_dtype, use_mixed_precision, autocast,
-                                         matmul_dtype, float8_scaling, autocast_rules)
+                                         matmul_dtype, float8_scaling, autocast_rules,
+                                         float8_rules)
         reduce_dtype = sharding.check_reduce_dtype(reduce_dtype)
         if use_mixed_precision:  # under jit, XLA's gradient all-reduces in reduce_dtype
             call = wide_gradients.widen_gradient_products(call, reduce_dtype)

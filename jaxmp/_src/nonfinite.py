@@ -951,6 +951,7 @@ def find_nonfinite(
     mapped: Callable[[Callable], Callable] | None = None,
     matmul_dtype: Any = None,
     float8_scaling: str = "tensor",
+    float8_rules: Any = None,
 ) -> Callable[..., NonfiniteReport]:
     """Finds the operations that overflow in half precision, forward and backward.
 
@@ -1031,7 +1032,8 @@ def find_nonfinite(
             shadow of a float8 product is the exact float32 product, so a
             product whose float8 result goes wrong is reported at its line.
         float8_scaling: the float8 recipe, as in :func:`jaxmp.mp_value_and_grad`
-            (``"tensor"`` or ``"mxfp8"``).
+            (``"tensor"``, ``"mxfp8"`` or ``"nvfp4"``).
+        float8_rules: as in :func:`jaxmp.mp_value_and_grad`.
 
     Returns:
         A function ``(*args, scaler_state=None, **kwargs) -> NonfiniteReport``.
@@ -1093,7 +1095,7 @@ def find_nonfinite(
         loss_fn, api="jaxmp.debug.find_nonfinite", argnums=argnums, no_cast_argnums=no_cast_argnums,
         has_aux=has_aux, compute_dtype=compute_dtype, use_mixed_precision=True,
         axis_name=axis_name, autocast=autocast, reduce_dtype=reduce_dtype,
-        matmul_dtype=matmul_dtype, float8_scaling=float8_scaling,
+        matmul_dtype=matmul_dtype, float8_scaling=float8_scaling, float8_rules=float8_rules,
         # Not the training step's trace-time check of the half-precision share
         # (MostlyFloat32Warning): a diagnosis is not a training step.
         check_share=False)
