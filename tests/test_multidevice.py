@@ -736,3 +736,39 @@ def test_shard_map_step_of_a_scanned_model(mesh, accumulate, axis_name):
         np.testing.assert_allclose(grads["ws"][d], want, rtol=5e-2, atol=5e-3,
                                    err_msg=f"device {d}")
     assert bool(finite)
+
+
+def test_shard_map_delayed_scaling_records_the_amax_of_the_whole_batch(mesh):
+    """Under shard_map with axis_name, each device's history entry is the scale exponent of the
+    largest amax over the devices, the same on every device: not one device's own amax, and
+    not a sum over devices (the gradient of a replicated input would be)."""
+    from tests import helpers  # pylint: disable=g-import-not-at-top
+    keys = jax.random.split(jax.random.key(0), 3)
+    params = [{"w": jax.random.normal(keys[0], (16, 32)) / 4, "b": jnp.zeros(32)},
+              {"w": jax.random.normal(keys[1], (32, 10)) / 6, "b": jnp.zeros(10)}]
+    # Rows of very different sizes: each device's shard has its own amax.
+    sizes = jnp.repeat(2.0 ** np.arange(float(NUM)), 4)[:, None]
+    x = jax.random.normal(keys[2], (4 * NUM, 16)) * sizes
+    y = jnp.arange(4 * NUM) % 10
+    options = dict(compute_dtype=jnp.bfloat16, matmul_dtype=jnp.float8_e4m3fn,
+                   float8_scaling="delayed")
+    h = jaxmp.experimental.init_float8_state(helpers.mlp_loss, params, x, y, window=3)
+    one = jaxmp.mp_value_and_grad(helpers.mlp_loss, **options)(
+        params, x, y, scaler_state=jaxmp.noop_scaler(), float8_state=h)[4]
+
+    def body(params, x, y, h):
+        out = jaxmp.mp_value_and_grad(helpers.mlp_loss, axis_name="data", **options)(
+            params, x, y, scaler_state=jaxmp.noop_scaler(), float8_state=h)
+        return out[4].history[None]
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data"), P("data"), P()),
+                       out_specs=P("data"))
+    batch = NamedSharding(mesh, P("data"))
+    per_device = jax.jit(fn)(params, jax.device_put(x, batch), jax.device_put(y, batch), h)
+    # The operands' entries are the whole batch's; each device's cotangents are those of its own
+    # mean loss, NUM times the whole batch's (the step averages the gradients after): two more
+    # powers of two for NUM = 4.
+    expected = np.asarray(one.history).copy()
+    expected[:, 2, 0] += np.log2(NUM)
+    for d in range(NUM):
+        np.testing.assert_array_equal(per_device[d], expected)

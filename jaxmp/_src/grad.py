@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmp._src import kernel
+from jaxmp._src import sharding
 
 
 def mp_value_and_grad(
@@ -185,12 +186,18 @@ def mp_value_and_grad(
             return step.scaled_loss(state, rebuild(d), kwargs if h is None
                                     else {**kwargs, "float8_state": h})
 
-        # The gradient of the float8 state holds what the step recorded (float8/delayed.py).
+        # The gradient of the float8 state holds what the step recorded (float8/delayed.py):
+        # each device's own, joined by a maximum over the data axes (as one device's record of
+        # the whole batch), not summed as the gradient of a replicated input would be.
         (_, (loss, aux)), (grads, recorded) = jax.value_and_grad(
-            scaled_loss, argnums=(0, 1), has_aux=True)(step.traced_views(diff), history)
+            scaled_loss, argnums=(0, 1), has_aux=True)(
+                step.traced_views(diff), sharding.recorded_per_device(history, devices))
         grads = step.unscale(state, grads, diff)
         out = step.finish(loss, aux, grads, state, devices)
-        return out if history is None else (*out, step.updated_float8_state(history, recorded))
+        if history is None:
+            return out
+        recorded = sharding.max_over_devices(recorded, devices)
+        return (*out, step.updated_float8_state(history, recorded))
 
     return value_and_grad_fn
 

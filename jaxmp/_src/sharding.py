@@ -203,6 +203,24 @@ def prepare(diff: PyTree, axis_name: Any) -> tuple[PyTree, Plan]:
     return as_varying(diff, axes), Plan(axes, sharded)
 
 
+def recorded_per_device(tree: PyTree, plan: Plan) -> PyTree:
+    """``tree`` (what a step records, e.g. a float8 amax history) marked varying over the
+    devices' data axes (every manual axis with ``axis_name=()``): each device's backward pass
+    records its own values, which :func:`max_over_devices` then joins; left alone outside
+    ``shard_map``. Differentiated unvarying, its records would be summed over devices."""
+    if plan.axes is None:
+        return tree
+    return as_varying(tree, plan.axes if plan.axes else manual_axes())
+
+
+def max_over_devices(tree: PyTree, plan: Plan) -> PyTree:
+    """The largest of every device's ``tree`` over the data axes (as one device recording the
+    whole batch would), the same on each device; each device's own with ``axis_name=()``."""
+    if not plan.axes:
+        return tree
+    return jax.tree_util.tree_map(lambda x: jax.lax.pmax(x, plan.axes), tree)
+
+
 def _size(axes) -> int:
     return math.prod(jax.lax.axis_size(a) for a in axes)
 
