@@ -100,12 +100,14 @@ def _cast_floats(tree, dtype):
 
 
 def make_step(loss: Callable, variant: str, optimizer=None,
-              hand_loss: Callable | None = None, batch: Any = ()) -> tuple[Callable, Callable]:
+              hand_loss: Callable | None = None, batch: Any = (),
+              float8_rules: Any = None) -> tuple[Callable, Callable]:
     """``(init, step)`` of a variant: ``init(params) -> state``, ``step(state, *batch) ->
     (state, loss)``; ``loss(params, *batch)`` is the float32 model's loss, ``hand_loss``
     the model's own hand-written bfloat16 loss where it has one (Flax's ``dtype=``; by
     default ``loss`` on the parameters and floating inputs cast to bfloat16). ``batch``
-    (shapes) sizes the amax history of ``fp8_delayed_jaxmp``, which the state carries."""
+    (shapes) sizes the amax history of ``fp8_delayed_jaxmp``, which the state carries;
+    ``float8_rules`` goes to the float8 variants' ``mp_value_and_grad``."""
     optimizer = optimizer or optax.adam(1e-4)
     if variant in ("float32", "bf16_hand"):
         if variant == "float32":
@@ -131,6 +133,8 @@ def make_step(loss: Callable, variant: str, optimizer=None,
     if variant not in _JAXMP:
         raise ValueError(f"unknown variant {variant!r}; the variants are {VARIANTS}")
     options = _JAXMP[variant]
+    if float8_rules is not None:
+        options = {**options, "float8_rules": float8_rules}
     grad_fn = jaxmp.mp_value_and_grad(loss, **options)
 
     delayed = options.get("float8_scaling") == "delayed"

@@ -842,10 +842,12 @@ def test_mxfp8_moves_no_float8_elements_in_kernels_of_their_own():
     # kernel that rounds them, not copied and transposed after (so in the 7B block's program;
     # at 128 tokens XLA still splits two such copies out of a quantise fusion). cuDNN's own
     # padding of an operand to its tiles (the block-scaled dot's instructions) is not ours.
+    # The attention products are asked for (placement keeps them in bfloat16 by default).
     from benchmarks import gpu_program as bench
     w = {n: jax.ShapeDtypeStruct((128, 2, 64), jnp.float32) for n in "qkv"}
     x = jax.ShapeDtypeStruct((2, 256, 128), jnp.float32)
-    init, step = bench.make_step(_attention, "mxfp8_jaxmp")
+    init, step = bench.make_step(_attention, "mxfp8_jaxmp", float8_rules=(
+        jaxmp.experimental.Float8Rules(include={"attention"})))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = jaxmp.debug.gpu_program(jax.jit(step, donate_argnums=0),
