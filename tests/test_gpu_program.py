@@ -836,25 +836,33 @@ def _attention(w, x):
 
 @pytest.mark.gpu_program
 @needs_plugin
-def test_mxfp8_moves_no_float8_elements_in_kernels_of_their_own():
-    # Issue 41 part 3/4: attention's keys and values have their blocks across their layout
-    # (along the tokens); their float8 elements are written in the layout cuDNN reads by the
-    # kernel that rounds them, not copied and transposed after (so in the 7B block's program;
-    # at 128 tokens XLA still splits two such copies out of a quantise fusion). cuDNN's own
-    # padding of an operand to its tiles (the block-scaled dot's instructions) is not ours.
+@pytest.mark.parametrize("variant,target", [
+    ("mxfp8_jaxmp", "b200"),
+    pytest.param("fp8_jaxmp", "h100", marks=pytest.mark.xfail(strict=True, reason=(
+        "issue 41 part 3, not done for the per-tensor recipe: XLA transposes two float8 "
+        "operands of the attention products (input_transpose_fusion) for cuBLASLt's layout"))),
+])
+def test_float8_elements_are_moved_in_no_kernel_of_their_own(variant, target):
+    # Issue 41 parts 3 and 4: no kernel only transposes or copies float8 elements. MXFP8:
+    # attention's keys and values have their blocks across their layout (along the tokens);
+    # their float8 elements are written in the layout cuDNN reads by the kernel that rounds
+    # them, not copied and transposed after (so in the 7B block's program; at 128 tokens XLA
+    # still splits two such copies out of a quantise fusion). cuDNN's own padding of an operand
+    # to its tiles (the block-scaled dot's instructions) is not ours. Per-tensor float8: each
+    # operand is quantised once, in the layout its GEMMs read.
     # The attention products are asked for (placement keeps them in bfloat16 by default).
     from benchmarks import gpu_program as bench
     w = {n: jax.ShapeDtypeStruct((128, 2, 64), jnp.float32) for n in "qkv"}
     x = jax.ShapeDtypeStruct((2, 256, 128), jnp.float32)
-    init, step = bench.make_step(_attention, "mxfp8_jaxmp", float8_rules=(
+    init, step = bench.make_step(_attention, variant, float8_rules=(
         jaxmp.experimental.Float8Rules(include={"attention"})))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = jaxmp.debug.gpu_program(jax.jit(step, donate_argnums=0),
-                                          jax.eval_shape(init, w), x, target="b200")
+                                          jax.eval_shape(init, w), x, target=target)
     ops = bench.kernel_ops(program.text)
     moves = [k.name for k in program.kernels if not k.products and ops.get(k.name)
              and bench.classify(ops[k.name], k.op_name) == "transpose"
-             and "f8e4m3fn" in ops[k.name][0].type and "scaled_matmul" not in k.op_name]
+             and "f8e" in ops[k.name][0].type and "scaled_matmul" not in k.op_name]
     assert program.float8_native_share >= 0.99
     assert not moves, moves
